@@ -1,0 +1,17 @@
+"""prepare: tokenize the validated corpus and pack it into flat train/val token files with their counts."""
+
+from pathlib import Path
+
+from ultrathink.cli import stage_entry
+from ultrathink.config import Params
+from ultrathink.data.packing import prepare_splits
+
+
+def run(params: Params) -> None:
+    p = params.paths
+    stats = prepare_splits(Path(p.validated_corpus), Path(p.tokenizer_dir), params.prepare, Path(p.prepared_dir))
+    print(f"prepare: train {stats['train']['tokens']:,} tokens, val {stats['val']['tokens']:,} tokens")
+
+
+if __name__ == "__main__":
+    stage_entry("prepare")

@@ -1,0 +1,69 @@
+"""train: pretrain the UltraThink decoder on the packed tokens; write the final weights (and keep resumable
+checkpoints). One MLflow run per trained model carries its params, per-step curves and lineage."""
+
+import json
+from pathlib import Path
+
+import mlflow
+import torch
+
+from ultrathink.cli import stage_entry
+from ultrathink.config import Params
+from ultrathink.data.packing import load_split, read_meta
+from ultrathink.io import atomic_dir, atomic_write_json
+from ultrathink.lineage import lineage_tags
+from ultrathink.model import UltraThink
+from ultrathink.registry.tracking import load_run_id, save_run_id, start_or_resume_run
+from ultrathink.train.checkpoint import CheckpointManager
+from ultrathink.train.loader import TokenWindows
+from ultrathink.train.trainer import Trainer
+
+
+def flat_params(params: Params) -> dict[str, object]:
+    dump = params.model_dump(by_alias=True)
+    return {f"{section}.{k}": v for section in ("data", "tokenizer", "model", "train") for k, v in dump[section].items()}
+
+
+def build_trainer(params: Params, log_metrics=None) -> Trainer:
+    p, cfg = params.paths, params.train
+    torch.manual_seed(cfg.seed)
+    prepared = Path(p.prepared_dir)
+    meta = read_meta(prepared)
+    model = UltraThink(params.model, meta["vocab_size"])
+    loader = TokenWindows(load_split(prepared, "train"), params.model.seq_len, cfg.batch_size, cfg.seed)
+    fingerprint = cfg.resume_fingerprint(params.model, lineage_tags(params)["data_hash"])
+    return Trainer(model, loader, load_split(prepared, "val"), cfg, CheckpointManager(p.checkpoint_dir,
+                   cfg.keep_checkpoints), fingerprint, log_metrics)
+
+
+def run(params: Params) -> None:
+    p, cfg = params.paths, params.train
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    trainer = build_trainer(params, lambda metrics, step: mlflow.log_metrics(metrics, step=step))
+    resumed = trainer.resume()
+    run_id = load_run_id(Path(p.checkpoint_dir)) if resumed else None
+    with start_or_resume_run(params.registry.experiment, Path("."), run_id) as run:
+        save_run_id(Path(p.checkpoint_dir), run.info.run_id)
+        if not resumed:
+            mlflow.log_params(flat_params(params))
+            mlflow.set_tags(lineage_tags(params))
+            mlflow.log_artifact(p.validate_report, "data")
+            mlflow.log_artifact(str(Path(p.prepared_dir) / "meta.json"), "data")
+        model = trainer.model
+        mlflow.log_metrics({"model_params": model.num_params(), "flops_per_token": model.flops_per_token()})
+        result = trainer.fit()
+        summary = {"steps": result.step, "resumed_from": result.resumed_from, "seconds": round(result.seconds, 2),
+                   "tokens_per_second": round(result.tokens_per_second, 1), "params": model.num_params(),
+                   "final_train_loss": result.history[-1]["train_loss"], "final_val_loss": result.history[-1].get("val_loss")}
+        mlflow.log_metrics({"train_seconds": result.seconds, "train_tokens_per_second": result.tokens_per_second})
+        with atomic_dir(p.model_dir) as out:
+            model.save_pretrained(out)
+            atomic_write_json(out / "history.json", result.history)
+            atomic_write_json(out / "train_summary.json", summary)
+            save_run_id(out, run.info.run_id)
+    print(f"train: {json.dumps(summary)}")
+
+
+if __name__ == "__main__":
+    stage_entry("train")

@@ -1,0 +1,79 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ultrathink.config import Params, ParamsError, default_params_yaml, load_params, schema_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path, data) -> Path:
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_shipped_params_are_the_schema_defaults():
+    assert load_params(ROOT / "params.yaml") == Params()
+
+
+def test_default_yaml_round_trips():
+    assert Params.model_validate(yaml.safe_load(default_params_yaml())) == Params()
+
+
+def test_typo_names_key_and_suggests(tmp_path):
+    with pytest.raises(ParamsError) as exc:
+        load_params(write(tmp_path, {"train": {"lrr": 0.1}}))
+    assert "train.lrr: unknown key. Did you mean 'lr'?" in str(exc.value)
+
+
+def test_unknown_section_suggests(tmp_path):
+    with pytest.raises(ParamsError, match="trian: unknown key. Did you mean 'train'"):
+        load_params(write(tmp_path, {"trian": {}}))
+
+
+def test_wrong_type_and_range_name_the_key(tmp_path):
+    with pytest.raises(ParamsError) as exc:
+        load_params(write(tmp_path, {"train": {"lr": -1, "batch_size": "big"}, "train_": None}))
+    text = str(exc.value)
+    assert "train.lr: Input should be greater than 0 (got -1)" in text
+    assert "train.batch_size: Input should be a valid integer" in text
+
+
+def test_cross_field_check(tmp_path):
+    with pytest.raises(ParamsError, match=r"model: n_kv_heads \(3\) must divide n_heads \(4\)"):
+        load_params(write(tmp_path, {"model": {"n_kv_heads": 3}}))
+
+
+def test_overrides_are_yaml_values_checked_by_the_schema(tmp_path):
+    path = write(tmp_path, {})
+    params = load_params(path, ["train.lr=3e-4", "model.n_layers=2", "evaluate.prompts=[a, b]"])
+    assert params.train.lr == 3e-4 and params.model.n_layers == 2 and params.evaluate.prompts == ["a", "b"]
+    with pytest.raises(ParamsError, match="expected KEY=VALUE"):
+        load_params(path, ["train.lr"])
+    with pytest.raises(ParamsError, match="train.nope: unknown key"):
+        load_params(path, ["train.nope=1"])
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ParamsError, match="not found"):
+        load_params(tmp_path / "absent.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed")
+    with pytest.raises(ParamsError, match="not valid YAML"):
+        load_params(bad)
+
+
+def test_schema_rows_cover_every_knob():
+    keys = {row[0] for row in schema_rows()}
+    assert {"train.lr", "model.d_model", "validate.min_rows", "registry.metric", "paths.model_dir"} <= keys
+    assert len(keys) == sum(len(section) for section in Params().model_dump(by_alias=True).values())
+
+
+def test_resume_fingerprint_ignores_bookkeeping_only():
+    p = Params()
+    base = p.train.resume_fingerprint(p.model, "data")
+    assert p.train.model_copy(update={"eval_every": 7}).resume_fingerprint(p.model, "data") == base
+    assert p.train.model_copy(update={"lr": 1e-4}).resume_fingerprint(p.model, "data") != base
+    assert p.train.resume_fingerprint(p.model, "other-data") != base

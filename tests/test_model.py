@@ -1,0 +1,101 @@
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ultrathink.config import ModelConfig
+from ultrathink.model import UltraThink
+from ultrathink.model.generate import generate, sample_next
+
+CFG = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=64)
+VOCAB = 97
+
+
+def tiny(seed=0) -> UltraThink:
+    torch.manual_seed(seed)
+    return UltraThink(CFG, VOCAB).eval()
+
+
+def to_llama(model: UltraThink) -> LlamaForCausalLM:
+    cfg = model.cfg
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=model.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.hidden,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+        max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
+        tie_word_embeddings=True)).eval()
+    names = {"embed.": "model.embed_tokens.", "blocks.": "model.layers.", "attn_norm": "input_layernorm",
+             "mlp_norm": "post_attention_layernorm", ".attn.": ".self_attn."}
+    state = {}
+    for key, value in model.state_dict().items():
+        for old, new in names.items():
+            key = key.replace(old, new)
+        state["model.norm.weight" if key == "norm.weight" else key] = value
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    hf.load_state_dict(state, strict=True)
+    return hf
+
+
+def test_logits_match_hugging_face_llama():
+    model = tiny()
+    x = torch.randint(0, VOCAB, (2, 40))
+    with torch.no_grad():
+        assert torch.allclose(model(x)[0], to_llama(model)(x).logits, atol=1e-5)
+
+
+def test_causal_later_tokens_do_not_change_earlier_logits():
+    model = tiny()
+    x = torch.randint(0, VOCAB, (1, 30))
+    y = x.clone()
+    y[0, 20:] = (y[0, 20:] + 1) % VOCAB
+    with torch.no_grad():
+        a, b = model(x)[0], model(y)[0]
+    assert torch.equal(a[:, :20], b[:, :20])
+    assert not torch.allclose(a[:, 20:], b[:, 20:])
+
+
+def test_greedy_with_and_without_cache_identical_for_a_batch():
+    model = tiny()
+    x = torch.randint(0, VOCAB, (3, 7))
+    with_cache = generate(model, x, 25, temperature=0, use_cache=True)
+    without = generate(model, x, 25, temperature=0, use_cache=False)
+    assert with_cache.shape == (3, 32) and torch.equal(with_cache, without)
+
+
+def test_generation_stops_at_eos_and_respects_context():
+    model = tiny()
+    x = torch.randint(0, VOCAB, (1, 5))
+    first = generate(model, x, 1, temperature=0)[0, -1].item()
+    out = generate(model, x, 20, temperature=0, eos_id=first)
+    assert out.shape[1] == 6  # stopped right after emitting "eos"
+    assert generate(model, torch.randint(0, VOCAB, (1, 60)), 100, temperature=0).shape[1] == CFG.seq_len
+
+
+def test_top_k_one_is_greedy_and_seed_is_reproducible():
+    logits = torch.randn(4, VOCAB)
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(sample_next(logits, 1.0, 1, None, g), logits.argmax(-1, keepdim=True))
+    a = sample_next(logits, 1.0, None, 0.9, torch.Generator().manual_seed(5))
+    b = sample_next(logits, 1.0, None, 0.9, torch.Generator().manual_seed(5))
+    assert torch.equal(a, b)
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.05, 0.05]]))
+    draws = {sample_next(logits, 1.0, None, 0.8, torch.Generator().manual_seed(s)).item() for s in range(200)}
+    assert draws == {0, 1}
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model = tiny()
+    model.save_pretrained(tmp_path)
+    loaded = UltraThink.from_pretrained(tmp_path)
+    x = torch.randint(0, VOCAB, (1, 16))
+    with torch.no_grad():
+        assert torch.equal(model(x)[0], loaded(x)[0])
+
+
+def test_loss_is_cross_entropy_and_gradients_reach_every_parameter():
+    model = tiny().train()
+    x, y = torch.randint(0, VOCAB, (2, 16)), torch.randint(0, VOCAB, (2, 16))
+    logits, loss = model(x, y)
+    assert torch.isclose(loss, torch.nn.functional.cross_entropy(logits.view(-1, VOCAB), y.view(-1)))
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())

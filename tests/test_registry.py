@@ -1,0 +1,150 @@
+"""The registry against a real MLflow store (SQLite in a temp dir): log, register, champion/challenger, load, predict."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import mlflow
+import pandas as pd
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from ultrathink.config import EvaluateConfig, ModelConfig, RegistryConfig
+from ultrathink.model import UltraThink
+from ultrathink.model.generate import generate_text
+from ultrathink.registry import (
+    champion_uri,
+    load_run_id,
+    promote,
+    save_run_id,
+    start_or_resume_run,
+)
+from ultrathink.tokenizer import load_tokenizer
+
+TINY = ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, seq_len=32)
+REG = RegistryConfig(model_name="tiny", experiment="tiny-exp")
+EVAL = EvaluateConfig(max_new_tokens=8, temperature=0.8, top_k=20, seed=0)
+TAGS = {"git_commit": "abc123", "params_hash": "p" * 16, "data_hash": "d" * 16}
+TEXT = ["def f(x):\n    return x + 1\n", "The class statement defines a class.", "A loop runs the body."] * 20
+
+
+def make_tokenizer(out_dir) -> None:
+    """A tiny byte-level BPE saved the way ultrathink.tokenizer saves one."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|pad|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TEXT, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+    fast.save_pretrained(out_dir)
+
+
+def make_model(out_dir, vocab_size: int, seed: int) -> None:
+    torch.manual_seed(seed)
+    UltraThink(TINY, vocab_size).save_pretrained(out_dir)
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    """Three promotions in a fresh store: val_bpb 3.0, then a worse 3.5, then a better 2.5."""
+    root = tmp_path_factory.mktemp("registry")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
+        make_tokenizer(root / "tokenizer")
+        vocab = len(load_tokenizer(root / "tokenizer"))
+        decisions = []
+        for i, bpb in enumerate([3.0, 3.5, 2.5]):
+            model_dir = root / f"model{i}"
+            make_model(model_dir, vocab, seed=i)
+            decisions.append(promote(model_dir, root / "tokenizer", {"val_bpb": bpb, "val_loss": bpb * 0.7},
+                                     REG, EVAL, TAGS, run_id=None, root=root))
+        yield root, decisions
+
+
+def test_first_model_becomes_champion(registry):
+    _, decisions = registry
+    first = decisions[0]
+    assert first["promoted"] and first["version"] == 1 and first["previous_champion_version"] is None
+    assert first["reason"] == "no champion yet"
+    json.dumps(first)  # the stage writes it as a report
+
+
+def test_worse_model_is_only_challenger(registry):
+    _, decisions = registry
+    worse = decisions[1]
+    assert not worse["promoted"] and worse["version"] == 2
+    assert worse["previous_champion_version"] == 1 and worse["previous_value"] == 3.0
+    assert "not lower" in worse["reason"]
+
+
+def test_better_model_takes_champion(registry):
+    _, decisions = registry
+    better = decisions[2]
+    assert better["promoted"] and better["previous_champion_version"] == 1
+    client = MlflowClient()
+    assert int(client.get_model_version_by_alias("tiny", "champion").version) == 3
+    assert int(client.get_model_version_by_alias("tiny", "challenger").version) == 3
+
+
+def test_version_carries_lineage_tags_and_run(registry):
+    _, decisions = registry
+    version = MlflowClient().get_model_version("tiny", "2")
+    assert {k: version.tags[k] for k in TAGS} == TAGS
+    assert float(version.tags["val_bpb"]) == 3.5
+    assert version.run_id == decisions[1]["run_id"]
+    assert mlflow.get_run(version.run_id).data.metrics["val_bpb"] == 3.5
+
+
+def test_artifacts_stay_under_root(registry):
+    root, decisions = registry
+    assert (root / "mlartifacts").is_dir()
+    assert any((root / "mlartifacts").rglob("model.safetensors"))
+    assert not any((root / "mlartifacts").rglob("*.pkl"))  # models-from-code: nothing pickled
+
+
+def test_champion_predicts_like_generate_text(registry):
+    root, _ = registry
+    pyfunc = mlflow.pyfunc.load_model(champion_uri(REG))
+    prompts = ["The", "A class"]
+    out = pyfunc.predict(prompts)
+    assert isinstance(out, list) and len(out) == 2 and all(isinstance(t, str) for t in out)
+    assert len(pyfunc.predict(pd.DataFrame({"prompt": prompts}))) == 2
+    assert len(pyfunc.predict("The")) == 1
+
+    greedy = {"temperature": 0.0}
+    first = pyfunc.predict(["def f"], params=greedy)
+    assert first == pyfunc.predict(["def f"], params=greedy)
+    direct = generate_text(UltraThink.from_pretrained(root / "model2"), load_tokenizer(root / "tokenizer"), "def f",
+                           max_new_tokens=EVAL.max_new_tokens, temperature=0.0, top_k=EVAL.top_k, seed=EVAL.seed)
+    assert first == [direct]
+
+
+def test_promote_reopens_the_training_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    make_tokenizer(tmp_path / "tokenizer")
+    make_model(tmp_path / "model", len(load_tokenizer(tmp_path / "tokenizer")), seed=0)
+    with start_or_resume_run(REG.experiment, tmp_path, run_name="train") as run:
+        mlflow.log_metric("train_loss", 5.0, step=1)
+        save_run_id(tmp_path / "model", run.info.run_id)
+    run_id = load_run_id(tmp_path / "model")
+    decision = promote(tmp_path / "model", tmp_path / "tokenizer", {"val_bpb": 3.0}, REG, EVAL, TAGS, run_id, tmp_path)
+    assert decision["run_id"] == run_id
+    assert set(mlflow.get_run(run_id).data.metrics) == {"train_loss", "val_bpb"}
+
+
+def test_unknown_run_id_starts_a_new_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    with pytest.warns(UserWarning, match="unknown"):
+        with start_or_resume_run(REG.experiment, tmp_path, run_id="0" * 32) as run:
+            new_id = run.info.run_id
+    assert new_id != "0" * 32
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with start_or_resume_run(REG.experiment, tmp_path, run_id=new_id) as run:
+            assert run.info.run_id == new_id
+    assert not [w for w in caught if "unknown" in str(w.message)]

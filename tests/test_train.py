@@ -1,0 +1,139 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ultrathink.config import ModelConfig, TrainConfig
+from ultrathink.evaluate import bits_per_byte, unigram_cross_entropy
+from ultrathink.model import UltraThink
+from ultrathink.train.checkpoint import CheckpointManager
+from ultrathink.train.loader import TokenWindows, eval_batches
+from ultrathink.train.optim import param_groups
+from ultrathink.train.schedule import lr_factor
+from ultrathink.train.trainer import Trainer
+
+MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, seq_len=16)
+VOCAB = 50
+
+
+def corpus(n=4000, seed=0) -> np.ndarray:
+    """A learnable stream: a fixed random cycle of tokens, so next-token loss can fall far below ln(VOCAB)."""
+    cycle = np.random.default_rng(seed).integers(0, VOCAB, 37)
+    return np.resize(cycle, n).astype(np.uint16)
+
+
+def make_trainer(tmp_path, steps, seed=0, **overrides) -> Trainer:
+    cfg = TrainConfig(max_steps=steps, batch_size=4, lr=1e-2, warmup_steps=2, eval_every=5, eval_batches=2,
+                      checkpoint_every=5, log_every=5, precision="fp32", seed=seed, **overrides)
+    torch.manual_seed(seed)
+    model = UltraThink(MODEL, VOCAB)
+    loader = TokenWindows(corpus(), MODEL.seq_len, cfg.batch_size, cfg.seed)
+    return Trainer(model, loader, corpus(600, seed=0), cfg, CheckpointManager(tmp_path / "ckpt", 2), "fp")
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    assert lr_factor(0, 10, 100, 0.1) == pytest.approx(0.1)
+    assert lr_factor(9, 10, 100, 0.1) == pytest.approx(1.0)
+    assert lr_factor(10, 10, 100, 0.1) == pytest.approx(1.0)
+    assert lr_factor(55, 10, 100, 0.1) == pytest.approx(0.55)
+    assert lr_factor(100, 10, 100, 0.1) == pytest.approx(0.1)
+
+
+def test_weight_decay_skips_norms_and_embeddings():
+    model = UltraThink(MODEL, VOCAB)
+    decay, no_decay = param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert any(p is model.embed.weight for p in no_decay["params"])
+    assert all(p.dim() == 1 or p is model.embed.weight for p in no_decay["params"])
+    assert all(p.dim() == 2 for p in decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_loader_covers_each_window_once_per_epoch_and_resumes():
+    tokens = np.arange(16 * 8 + 1, dtype=np.uint16)  # 8 windows of 16
+    loader = TokenWindows(tokens, 16, 2, seed=3)
+    first = [next(loader)[0][:, 0].tolist() for _ in range(4)]
+    assert sorted(sum(first, [])) == list(range(0, 128, 16))
+    x, y = next(loader)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    state = loader.state_dict()
+    expected = [next(loader)[0] for _ in range(3)]
+    again = TokenWindows(tokens, 16, 2, seed=3)
+    again.load_state_dict(state)
+    assert all(torch.equal(a, next(again)[0]) for a in expected)
+
+
+def test_ranks_read_disjoint_windows():
+    tokens = np.arange(16 * 8 + 1, dtype=np.uint16)
+    r0, r1 = (TokenWindows(tokens, 16, 2, seed=1, rank=r, world_size=2) for r in (0, 1))
+    seen0 = {v for _ in range(2) for v in next(r0)[0][:, 0].tolist()}
+    seen1 = {v for _ in range(2) for v in next(r1)[0][:, 0].tolist()}
+    assert not seen0 & seen1 and len(seen0 | seen1) == 8
+
+
+def test_too_small_corpus_is_a_clear_error():
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        TokenWindows(np.arange(20, dtype=np.uint16), 16, 4, seed=0)
+
+
+def test_eval_batches_are_fixed():
+    a = [x for x, _ in eval_batches(corpus(600), 16, 4)]
+    b = [x for x, _ in eval_batches(corpus(600), 16, 4)]
+    assert len(a) == 9 and all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+def test_training_learns_the_stream(tmp_path):
+    trainer = make_trainer(tmp_path, 40)
+    before = trainer.validate()
+    result = trainer.fit()
+    assert before > 3.5  # about ln(50) = 3.9 at initialisation
+    assert result.history[-1]["val_loss"] < 1.0
+    assert [h["step"] for h in result.history] == [5, 10, 15, 20, 25, 30, 35, 40]
+
+
+def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
+    straight = make_trainer(tmp_path / "a", 20)
+    straight.fit()
+
+    first = make_trainer(tmp_path / "b", 20)
+    while first.step < 10:  # the run that gets killed after its checkpoint at step 10
+        first.train_step()
+    first.checkpoints.save(first.step, "fp", first.model, first.state())
+
+    resumed = make_trainer(tmp_path / "b", 20, seed=99)  # a different seed: everything must come from the checkpoint
+    resumed.fingerprint = "fp"
+    assert resumed.resume() == 10
+    resumed.fit()
+    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_resume_refuses_a_checkpoint_of_another_config(tmp_path):
+    trainer = make_trainer(tmp_path, 5)
+    trainer.fit()
+    other = make_trainer(tmp_path, 5)
+    other.fingerprint = "different"
+    assert other.resume() is None
+    assert other.checkpoints.latest() is None  # stale checkpoints were cleared, not mixed in
+
+
+def test_checkpoints_keep_the_latest_and_skip_corrupt_ones(tmp_path, caplog):
+    trainer = make_trainer(tmp_path, 15)
+    trainer.fit()
+    manager = trainer.checkpoints
+    assert [p.name for _, p in manager._step_dirs()] == ["step_00000015", "step_00000010"]
+    (manager.directory / ".step_00000020.partial").mkdir()  # a write killed half-way is never picked
+    state = manager.directory / "step_00000015" / "state.pt"
+    state.write_bytes(state.read_bytes()[:100])  # truncated
+    latest = manager.latest()
+    assert latest.step == 10
+    assert "fails its checksum" in caplog.text
+    assert latest.load_state()["step"] == 10
+
+
+def test_bits_per_byte_and_unigram_baseline():
+    assert bits_per_byte(math.log(2), n_tokens=10, n_bytes=10) == pytest.approx(1.0)
+    assert bits_per_byte(math.log(2), n_tokens=10, n_bytes=40) == pytest.approx(0.25)
+    uniform = np.arange(100, dtype=np.uint16) % 4
+    assert unigram_cross_entropy(uniform, uniform, 4) == pytest.approx(math.log(4))

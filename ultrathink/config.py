@@ -1,0 +1,282 @@
+"""The one typed schema behind params.yaml.
+
+Every knob of the pipeline is defined here, once. params.yaml holds values, DVC's `-S key=value` edits them,
+the CLI's `--set key=value` overrides are checked against this same schema, and `ultrathink params` lists it.
+A typo'd key, a wrong type or an out-of-range value fails before any work, naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class Section(BaseModel):
+    """Strict base: unknown keys are errors, values are immutable once loaded."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PathsConfig(Section):
+    """Where each stage writes. dvc.yaml reads these same values through `${paths.*}` templating."""
+
+    validated_corpus: str = "data/validated/corpus.jsonl"
+    validate_report: str = "reports/validate.json"
+    tokenizer_dir: str = "artifacts/tokenizer"
+    prepared_dir: str = "data/prepared"
+    checkpoint_dir: str = "artifacts/checkpoints"
+    model_dir: str = "artifacts/model"
+    metrics: str = "reports/metrics.json"
+    loss_curve: str = "reports/loss_curve.csv"
+    val_curve: str = "reports/val_curve.csv"
+    samples: str = "reports/samples.json"
+    promotion: str = "reports/promotion.json"
+
+
+class DataConfig(Section):
+    source: str = Field(
+        "embedded",
+        description="'embedded' (the Python language reference shipped with CPython) or a path to a "
+        ".txt, .json, .jsonl or .parquet file",
+    )
+    text_column: str = Field("text", min_length=1, description="column holding the text in json/jsonl/parquet files")
+    max_samples: int | None = Field(None, gt=0, description="keep only the first N documents")
+    dedup: bool = Field(True, description="drop exact duplicate documents after the validation gate")
+
+
+class ValidateConfig(Section):
+    min_rows: int = Field(100, ge=1, description="fewest documents the corpus may have")
+    min_length: int = Field(1, ge=0, description="shortest document, in characters")
+    max_length: int = Field(100_000, ge=1, description="longest document, in characters")
+    length_mostly: float = Field(0.99, gt=0, le=1, description="share of documents that must respect the length bounds")
+    max_duplicate_fraction: float = Field(
+        0.3, ge=0, le=1, description="largest share of documents that repeat an earlier one, in the source as loaded")
+    min_printable_ratio: float = Field(0.95, ge=0, le=1, description="least share of printable characters per document")
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> "ValidateConfig":
+        if self.min_length > self.max_length:
+            raise ValueError(f"min_length ({self.min_length}) must not exceed max_length ({self.max_length})")
+        return self
+
+
+class TokenizerConfig(Section):
+    vocab_size: int = Field(4096, ge=300, le=65535, description="BPE vocabulary size, special tokens included")
+    min_frequency: int = Field(2, ge=1, description="least count for a merge to be learned")
+
+
+class PrepareConfig(Section):
+    val_fraction: float = Field(0.1, gt=0, lt=1, description="share of documents held out for validation")
+    batch_size: int = Field(1000, ge=1, description="documents tokenized per batch")
+
+
+class ModelConfig(Section):
+    d_model: int = Field(256, ge=8, description="residual stream width")
+    n_layers: int = Field(4, ge=1)
+    n_heads: int = Field(4, ge=1)
+    n_kv_heads: int = Field(2, ge=1, description="key/value heads (grouped-query attention); must divide n_heads")
+    ffn_hidden: int | None = Field(None, ge=1, description="SwiGLU hidden width; default 8/3·d_model rounded up to 64")
+    seq_len: int = Field(256, ge=8, description="context length")
+    rope_theta: float = Field(10000.0, gt=0)
+    norm_eps: float = Field(1e-5, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    init_std: float = Field(0.02, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_fit(self) -> "ModelConfig":
+        if self.d_model % self.n_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must divide d_model ({self.d_model})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("head size d_model/n_heads must be even for rotary embeddings")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def hidden(self) -> int:
+        return self.ffn_hidden or 64 * -(-(8 * self.d_model // 3) // 64)
+
+
+class TrainConfig(Section):
+    seed: int = 1337
+    batch_size: int = Field(16, ge=1, description="sequences per micro-batch")
+    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    max_steps: int = Field(300, ge=1, description="optimizer steps")
+    lr: float = Field(2e-3, gt=0, le=1, description="peak learning rate")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final learning rate as a share of lr")
+    warmup_steps: int = Field(30, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    grad_clip: float = Field(1.0, ge=0, description="clip the global gradient norm to this; 0 turns clipping off")
+    precision: Literal["fp32", "bf16"] = Field("bf16", description="bf16 autocast is ~3x faster on these CPUs")
+    eval_every: int = Field(100, ge=1, description="steps between validation passes")
+    eval_batches: int = Field(10, ge=1, description="validation micro-batches per pass")
+    checkpoint_every: int = Field(100, ge=1)
+    keep_checkpoints: int = Field(2, ge=1, description="how many of the latest checkpoints to keep")
+    log_every: int = Field(10, ge=1, description="steps between step lines and MLflow metric points")
+    resume: bool = Field(True, description="resume from the latest matching checkpoint")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: all cores)")
+
+    # Knobs that change when and how often things are recorded, not the numbers trained: a checkpoint made under
+    # other values of these is still a valid point to resume from.
+    BOOKKEEPING: ClassVar[frozenset[str]] = frozenset(
+        {"eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints", "log_every", "resume", "threads"})
+
+    def resume_fingerprint(self, model: "ModelConfig", data_hash: str) -> str:
+        """Identifies the training computation: resuming is allowed only into the same one."""
+        blob = json.dumps({"model": model.model_dump(), "train": self.model_dump(exclude=set(self.BOOKKEEPING)),
+                           "data": data_hash}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> "TrainConfig":
+        if self.warmup_steps > self.max_steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must not exceed max_steps ({self.max_steps})")
+        return self
+
+
+class EvaluateConfig(Section):
+    batch_size: int = Field(16, ge=1)
+    max_batches: int | None = Field(None, ge=1, description="cap on validation batches (default: the whole split)")
+    prompts: list[str] = Field(default_factory=lambda: ["The", "A class"], description="prompts for sample generations")
+    max_new_tokens: int = Field(48, ge=1)
+    temperature: float = Field(0.8, ge=0, description="0 means greedy")
+    top_k: int | None = Field(50, ge=1)
+    seed: int = 0
+
+
+class RegistryConfig(Section):
+    model_name: str = Field("ultrathink", min_length=1, description="registered model name in MLflow")
+    experiment: str = Field("ultrathink", min_length=1)
+    metric: Literal["val_bpb", "val_loss"] = Field("val_bpb", description="lower is better; decides champion")
+
+
+class Params(Section):
+    paths: PathsConfig = PathsConfig()
+    data: DataConfig = DataConfig()
+    validate_: ValidateConfig = Field(ValidateConfig(), alias="validate")
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    prepare: PrepareConfig = PrepareConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+    registry: RegistryConfig = RegistryConfig()
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @property
+    def validate_cfg(self) -> ValidateConfig:
+        return self.validate_
+
+    def section_hash(self, *sections: str) -> str:
+        """A stable hash of the named sections, for lineage tags and checkpoint fingerprints."""
+        dump = self.model_dump(by_alias=True)
+        blob = json.dumps({s: dump[s] for s in sections}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def params_hash(self) -> str:
+        """Hash of every experiment knob (paths excluded: where files go does not change the model)."""
+        return self.section_hash(*(f.alias or n for n, f in type(self).model_fields.items() if n != "paths"))
+
+
+class ParamsError(ValueError):
+    """A params file or override that the schema rejects; the message names the key and what is allowed."""
+
+
+def _allowed_keys(model: type[BaseModel]) -> list[str]:
+    return [f.alias or name for name, f in model.model_fields.items()]
+
+
+def _section_model(loc: tuple) -> type[BaseModel]:
+    """The pydantic model that owns the location `loc` (so a typo can be matched against its siblings)."""
+    model: type[BaseModel] = Params
+    for part in loc[:-1]:
+        field = next((f for n, f in model.model_fields.items() if part in (n, f.alias)), None)
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            break
+        model = field.annotation
+    return model
+
+
+def _describe(err: dict[str, Any]) -> str:
+    loc = tuple(str(p) for p in err["loc"])
+    key = ".".join(loc)
+    if err["type"] == "extra_forbidden":
+        allowed = _allowed_keys(_section_model(loc))
+        close = difflib.get_close_matches(loc[-1], allowed, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        return f"{key}: unknown key.{hint} Allowed: {', '.join(allowed)}"
+    got = err.get("input")
+    if isinstance(got, dict):  # a check across a whole section: its message already names the keys
+        return f"{key}: {err['msg'].removeprefix('Value error, ')}"
+    return f"{key}: {err['msg']} (got {got!r})"
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`train.lr=3e-4` → (['train', 'lr'], 0.0003). Values are YAML, as in `dvc exp run -S`."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ParamsError(f"override {item!r}: expected KEY=VALUE, e.g. train.lr=3e-4")
+    return key.strip().split("."), yaml.safe_load(raw)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = raw
+        for part in keys[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ParamsError(f"override {item!r}: '{part}' is not a section")
+        node[keys[-1]] = value
+    return raw
+
+
+def load_params(path: str | Path = "params.yaml", overrides: list[str] | None = None) -> Params:
+    """Read and check params. Raises ParamsError with one line per problem, each naming its key."""
+    path = Path(path)
+    if not path.exists():
+        raise ParamsError(f"{path}: params file not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ParamsError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ParamsError(f"{path}: top level must be a mapping of sections, got {type(raw).__name__}")
+    raw = apply_overrides(raw, overrides or [])
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as exc:
+        lines = "\n".join(f"  - {_describe(e)}" for e in exc.errors())
+        raise ParamsError(f"{path}: invalid params\n{lines}") from None
+
+
+def schema_rows(model: type[BaseModel] = Params, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key, type, default, description) for every knob: the source for `ultrathink params`."""
+    rows = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{field.alias or name}"
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows += schema_rows(ann, key + ".")
+            continue
+        default = field.get_default(call_default_factory=True)
+        type_name = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
+        rows.append((key, type_name, repr(default), field.description or ""))
+    return rows
+
+
+def default_params_yaml() -> str:
+    """params.yaml content with every default, in schema order."""
+    return yaml.safe_dump(Params().model_dump(by_alias=True), sort_keys=False)

@@ -1,0 +1,1 @@
+"""Corpus loading, validation and packing into token files."""

@@ -1,0 +1,185 @@
+"""Great Expectations checks on the raw corpus, turned into a report a person can act on.
+
+The suite runs in an ephemeral GX context (nothing written to disk, nothing fetched). Two checks need per-document
+facts that GX has no expectation for, so they run on helper columns computed here: whether a text repeats an
+earlier row, and the share of printable characters in each text. Every check names its rows, so failures can be
+traced back to the documents that caused them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import great_expectations as gx
+import great_expectations.expectations as gxe
+import pandas as pd
+from great_expectations.data_context.types.base import ProgressBarsConfig
+
+from ultrathink.config import ValidateConfig
+
+TEXT = "text"
+_DUPLICATE = "repeats_earlier_row"
+_PRINTABLE = "printable_ratio"
+_EXAMPLES = 3
+_EXAMPLE_CHARS = 80
+_WHITESPACE_TO_SPACE = str.maketrans("\n\t\r", "   ")  # ordinary layout characters count as printable
+
+
+@dataclass
+class ValidationReport:
+    """The outcome of one suite run: one result dict per expectation, in suite order.
+
+    Each result has: name, expectation (the GX type), success, observed (GX's observed value for table/aggregate
+    expectations, the share of checked rows that failed, in %, for per-row ones), unexpected_count, checked_rows,
+    message (one readable line) and examples (up to 3 failing rows as {"row": index, "text": first 80 chars}).
+    """
+
+    success: bool
+    n_rows: int
+    results: list[dict]
+
+    def to_dict(self) -> dict:
+        """Plain JSON-serialisable data, for the stage's report file."""
+        return asdict(self)
+
+    def summary(self) -> str:
+        """A few lines naming each failed expectation, how many rows failed it, and example rows."""
+        if self.success:
+            return f"Corpus validation passed ({len(self.results)} expectations, {self.n_rows} rows)"
+        failed = [r for r in self.results if not r["success"]]
+        lines = [f"Corpus validation FAILED ({len(failed)} of {len(self.results)} expectations, {self.n_rows} rows):"]
+        for result in failed:
+            lines.append(f" - {result['name']}: {result['message']}")
+            if result["examples"]:
+                shown = "; ".join(f"row {e['row']}: {e['text']!r}" for e in result["examples"])
+                lines.append(f"   examples: {shown}")
+        return "\n".join(lines)
+
+
+class CorpusValidationError(Exception):
+    """Raised by callers that refuse to go on with a corpus that failed validation; carries the report."""
+
+    def __init__(self, report: ValidationReport):
+        super().__init__(report.summary())
+        self.report = report
+
+
+def validate_corpus(df: pd.DataFrame, cfg: ValidateConfig) -> ValidationReport:
+    """Run the corpus suite on `df` (a "text" column of str or None) and report every expectation's outcome."""
+    frame = _with_helper_columns(_text_column(df))
+    messages = _messages(cfg)
+    run = _run_suite(frame, _expectations(cfg))
+    results = [_result(r, frame[TEXT], messages) for r in run.results]
+    return ValidationReport(success=bool(run.success), n_rows=len(frame), results=results)
+
+
+def printable_ratio(text: str) -> float:
+    """Share of characters that are printable or \\n, \\t, \\r; 1.0 for "" (it holds nothing unprintable)."""
+    if not text:
+        return 1.0
+    if text.translate(_WHITESPACE_TO_SPACE).isprintable():  # the common case, at C speed
+        return 1.0
+    return sum(ch.isprintable() or ch in "\n\t\r" for ch in text) / len(text)
+
+
+def _expectations(cfg: ValidateConfig) -> list[gxe.Expectation]:
+    """The suite. Each expectation carries its readable name in `meta`, which comes back with its result."""
+    return [
+        gxe.ExpectColumnValuesToNotBeNull(column=TEXT, meta={"name": "text not null"}),
+        gxe.ExpectColumnValueLengthsToBeBetween(
+            column=TEXT, min_value=cfg.min_length, max_value=cfg.max_length, mostly=cfg.length_mostly,
+            meta={"name": "text length"}),
+        # Rows flagged True repeat an earlier row, so the unexpected share is exactly the duplicate fraction.
+        gxe.ExpectColumnValuesToBeInSet(
+            column=_DUPLICATE, value_set=[False], mostly=1 - cfg.max_duplicate_fraction, meta={"name": "duplicates"}),
+        gxe.ExpectColumnValuesToBeBetween(
+            column=_PRINTABLE, min_value=cfg.min_printable_ratio, meta={"name": "printable characters"}),
+        gxe.ExpectTableRowCountToBeBetween(min_value=cfg.min_rows, meta={"name": "row count"}),
+    ]
+
+
+def _messages(cfg: ValidateConfig) -> dict[str, str]:
+    """One readable line per expectation, filled in with {count}, {checked}, {percent} and {observed}."""
+    return {
+        "text not null": "{count} of {checked} rows are null",
+        "text length": f"{{count}} of {{checked}} documents ({{percent:.1f}}%) are not {cfg.min_length} to "
+        f"{cfg.max_length} characters long; at most {1 - cfg.length_mostly:.1%} may be",
+        "duplicates": f"{{count}} of {{checked}} documents ({{percent:.1f}}%) repeat an earlier document; "
+        f"at most {cfg.max_duplicate_fraction:.1%} may",
+        "printable characters": f"{{count}} of {{checked}} documents have less than {cfg.min_printable_ratio:.0%} "
+        "printable characters",
+        "row count": f"{{observed}} rows; at least {cfg.min_rows} are needed",
+    }
+
+
+def _text_column(df: pd.DataFrame) -> pd.Series:
+    """The text column as object dtype with None for nulls, indexed 0..n-1 so row numbers are positions."""
+    if TEXT not in df.columns:
+        if len(df):
+            raise ValueError(f"corpus has no {TEXT!r} column; columns: {', '.join(map(str, df.columns))}")
+        return pd.Series([], dtype=object)  # an empty frame is an empty corpus: the row count check reports it
+    text = df[TEXT].reset_index(drop=True).astype(object)
+    text = text.where(text.notna(), None)
+    wrong = text.map(lambda v: v is not None and not isinstance(v, str))
+    if wrong.any():
+        row = int(wrong.idxmax())
+        raise ValueError(f"column {TEXT!r} row {row}: expected str or null, got {type(text[row]).__name__}")
+    return text
+
+
+def _with_helper_columns(text: pd.Series) -> pd.DataFrame:
+    """Add the per-row facts the suite checks; null texts get null helpers so only the not-null check fails them."""
+    present = text.notna()
+    return pd.DataFrame({
+        TEXT: text,
+        _DUPLICATE: text.duplicated().astype(object).where(present, None),
+        _PRINTABLE: text.map(printable_ratio, na_action="ignore").astype(float),
+    })
+
+
+def _run_suite(frame: pd.DataFrame, expectations: list[gxe.Expectation]):
+    """Validate `frame` in a throwaway in-memory GX context, asking for up to 3 failing rows per expectation."""
+    context = gx.get_context(mode="ephemeral")
+    context.variables.progress_bars = ProgressBarsConfig(globally=False)
+    batch = (context.data_sources.add_pandas("corpus").add_dataframe_asset("documents")
+             .add_batch_definition_whole_dataframe("all rows"))
+    # GX 1.x only runs suites and definitions that were added to the context first.
+    suite = context.suites.add(gx.ExpectationSuite(name="corpus", expectations=expectations))
+    definition = context.validation_definitions.add(gx.ValidationDefinition(name="corpus", data=batch, suite=suite))
+    return definition.run(
+        batch_parameters={"dataframe": frame},
+        result_format={"result_format": "SUMMARY", "partial_unexpected_count": _EXAMPLES},
+    )
+
+
+def _result(run_result, text: pd.Series, messages: dict[str, str]) -> dict:
+    """One expectation's outcome as plain data, with a readable message and the failing rows' texts."""
+    config = run_result.expectation_config
+    name = config.meta["name"]
+    raw = run_result.to_json_dict()
+    res, error = raw["result"], raw["exception_info"]
+    checked = res["element_count"] - res.get("missing_count", 0) if "element_count" in res else None
+    if error.get("raised_exception"):
+        message = f"could not be evaluated: {error['exception_message']}"
+    else:
+        message = messages[name].format(count=res.get("unexpected_count"), checked=checked,
+                                        percent=res.get("unexpected_percent") or 0.0,
+                                        observed=res.get("observed_value"))
+    rows = res.get("partial_unexpected_index_list", [])[:_EXAMPLES]
+    return {
+        "name": name,
+        "expectation": config.type,
+        "success": bool(raw["success"]),
+        "observed": res.get("observed_value", res.get("unexpected_percent")),
+        "unexpected_count": res.get("unexpected_count"),
+        "checked_rows": checked,
+        "message": message,
+        "examples": [{"row": int(row), "text": _clip(text[row])} for row in rows],
+    }
+
+
+def _clip(value: str | None) -> str | None:
+    """At most 80 characters, with an ellipsis when cut, so one huge document cannot flood the report."""
+    if value is None or len(value) <= _EXAMPLE_CHARS:
+        return value
+    return value[: _EXAMPLE_CHARS - 1] + "…"

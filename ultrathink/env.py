@@ -1,0 +1,24 @@
+"""Offline and quiet by default: no telemetry, no hub downloads. Imported first by every entry point."""
+
+import os
+
+QUIET_OFFLINE_ENV = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "60",
+    "DO_NOT_TRACK": "1",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "DVC_NO_ANALYTICS": "1",
+    "GX_ANALYTICS_ENABLED": "false",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "GIT_PYTHON_REFRESH": "quiet",
+}
+
+
+def apply() -> None:
+    """Set each variable unless the user already chose a value."""
+    for key, value in QUIET_OFFLINE_ENV.items():
+        os.environ.setdefault(key, value)

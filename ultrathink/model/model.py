@@ -1,0 +1,193 @@
+"""The UltraThink decoder: a Llama-style stack, dense path.
+
+token embedding → N × [RMSNorm → grouped-query attention with RoPE → residual,
+                       RMSNorm → SwiGLU MLP → residual] → RMSNorm → tied output projection.
+
+The math follows Hugging Face's LlamaForCausalLM exactly (rotate-half RoPE, RMSNorm in fp32, SwiGLU), so an export
+to that format is a renaming of tensors and its logits match ours.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from ultrathink.config import ModelConfig
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 even under bf16 autocast: the mean of squares loses too much precision in bf16.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for rotary position embeddings, laid out as two halves (the Llama convention)."""
+
+    def __init__(self, head_dim: int, max_len: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+        angles = torch.cat([freqs, freqs], dim=-1)
+        # Not persistent: derived from the config, so checkpoints need not carry them.
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if start + length > self.cos.shape[0]:
+            raise ValueError(f"position {start + length} exceeds the model's context length {self.cos.shape[0]}")
+        return self.cos[start : start + length], self.sin[start : start + length]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, heads, T, head_dim); cos/sin: (T, head_dim)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, one pair per layer; `length` is the next token's position."""
+
+    def __init__(self, n_layers: int):
+        self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
+        self.length = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        past = self.layers[layer]
+        if past is not None:
+            k = torch.cat([past[0], k], dim=2)
+            v = torch.cat([past[1], v], dim=2)
+        self.layers[layer] = (k, v)
+        return k, v
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.dropout = cfg.dropout
+
+    def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        past = cache.length if cache is not None else 0
+        if cache is not None:
+            k, v = cache.update(layer, k, v)
+        mask, causal = None, past == 0
+        if past and T > 1:  # a chunk after a cached prefix: each new token sees the prefix and the chunk up to itself
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and T > 1,
+            dropout_p=self.dropout if self.training else 0.0, enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.hidden, bias=False)
+        self.up_proj = nn.Linear(cfg.d_model, cfg.hidden, bias=False)
+        self.down_proj = nn.Linear(cfg.hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, cos, sin, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin, cache, self.layer))
+        return x + self.drop(self.mlp(self.mlp_norm(x)))
+
+
+class UltraThink(nn.Module):
+    def __init__(self, cfg: ModelConfig, vocab_size: int):
+        super().__init__()
+        self.cfg, self.vocab_size = cfg, vocab_size
+        self.embed = nn.Embedding(vocab_size, cfg.d_model)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.apply(self._init_weights)
+        # Scale the projections that write into the residual stream so its variance does not grow with depth (GPT-2).
+        for name, p in self.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(p, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=self.cfg.init_std)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None):
+        """Logits for every position, and the mean next-token loss when targets are given."""
+        start = cache.length if cache is not None else 0
+        cos, sin = self.rotary(start, idx.shape[1])
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x, cos, sin, cache)
+        if cache is not None:
+            cache.length += idx.shape[1]
+        # The output projection is tied to the embedding: one matrix, read in both directions.
+        logits = F.linear(self.norm(x), self.embed.weight)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token, PaLM's convention: 6·N for the weights (the tied embedding counts once, as the
+        output matmul) plus 12·layers·d_model·seq_len for attention scores and values."""
+        return 6 * self.num_params() + 12 * self.cfg.n_layers * self.cfg.d_model * self.cfg.seq_len
+
+    def save_pretrained(self, out_dir: str | Path) -> None:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, out_dir / WEIGHTS_FILE, metadata={"format": "pt"})
+        config = {"format": "ultrathink", "vocab_size": self.vocab_size, "model": self.cfg.model_dump()}
+        (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> "UltraThink":
+        """Load weights with safetensors (no unpickling), on CPU, in eval mode."""
+        model_dir = Path(model_dir)
+        config = json.loads((model_dir / CONFIG_FILE).read_text())
+        model = cls(ModelConfig(**config["model"]), config["vocab_size"])
+        model.load_state_dict(load_file(model_dir / WEIGHTS_FILE))
+        return model.eval()

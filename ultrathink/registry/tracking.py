@@ -1,0 +1,105 @@
+"""Where MLflow keeps runs, and how one trained model keeps one run across stages.
+
+The train stage opens a run and leaves its id next to the weights (`mlflow_run.json`). The evaluate and promote
+stages are separate processes (DVC runs each stage on its own), so they re-open that run by id: one run then
+carries the params, the per-step curves, the eval metrics and the logged model, which is what a reader of the
+MLflow UI expects. If the store no longer knows the id (the db was deleted, or the tracking URI points elsewhere),
+a fresh run is started with a warning rather than failing the pipeline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from urllib.parse import urlparse
+
+import mlflow
+from mlflow.entities import LifecycleStage
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from ultrathink.io import atomic_write_json
+
+RUN_FILE = "mlflow_run.json"
+DB_FILE = "mlflow.db"
+ARTIFACT_DIR = "mlartifacts"
+# Schemes that name a tracking server; such a server decides where artifacts go.
+_REMOTE_SCHEMES = {"http", "https", "databricks", "databricks-uc", "uc"}
+
+
+def default_tracking_uri(root: Path) -> str:
+    """MLFLOW_TRACKING_URI if the user set one, else a SQLite file in the project root.
+
+    SQLite rather than ./mlruns files because the model registry (aliases, versions) needs a database backend.
+    """
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(root).resolve() / DB_FILE}"
+
+
+def use_tracking(root: Path) -> str:
+    """Point this process's MLflow client at the project's store; returns the URI in use."""
+    uri = default_tracking_uri(root)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    return uri
+
+
+def _local_store(uri: str) -> bool:
+    return urlparse(uri).scheme not in _REMOTE_SCHEMES
+
+
+def ensure_experiment(name: str, root: Path) -> str:
+    """The id of experiment `name`, creating it (or restoring it from the bin) when needed.
+
+    With a local store, artifacts go to `<root>/mlartifacts`: MLflow's own default is `./mlruns` relative to
+    whatever the working directory happens to be, which scatters model files around.
+    """
+    uri = use_tracking(root)
+    client = MlflowClient()
+    experiment = client.get_experiment_by_name(name)
+    if experiment is None:
+        location = (Path(root).resolve() / ARTIFACT_DIR).as_uri() if _local_store(uri) else None
+        return client.create_experiment(name, artifact_location=location)
+    if experiment.lifecycle_stage == LifecycleStage.DELETED:
+        warnings.warn(f"MLflow experiment {name!r} was deleted; restoring it", stacklevel=2)
+        client.restore_experiment(experiment.experiment_id)
+    return experiment.experiment_id
+
+
+def _known_run(run_id: str) -> bool:
+    """Whether the current store holds a live run with this id."""
+    try:
+        return MlflowClient().get_run(run_id).info.lifecycle_stage == LifecycleStage.ACTIVE
+    except MlflowException:
+        return False
+
+
+def start_or_resume_run(experiment: str, root: Path, run_id: str | None = None,
+                        run_name: str | None = None) -> mlflow.ActiveRun:
+    """Re-open run `run_id` if the store knows it, else start a new run in `experiment`.
+
+    Use as a context manager (`with start_or_resume_run(...) as run:`); leaving it marks the run finished.
+    """
+    experiment_id = ensure_experiment(experiment, root)
+    if run_id and _known_run(run_id):
+        return mlflow.start_run(run_id=run_id)
+    if run_id:
+        warnings.warn(f"MLflow run {run_id} is unknown to {mlflow.get_tracking_uri()}; starting a new run",
+                      stacklevel=2)
+    return mlflow.start_run(experiment_id=experiment_id, run_name=run_name)
+
+
+def save_run_id(model_dir: Path, run_id: str) -> Path:
+    """Leave the run id next to the weights so later stages log into the same run."""
+    path = Path(model_dir) / RUN_FILE
+    atomic_write_json(path, {"run_id": run_id})
+    return path
+
+
+def load_run_id(model_dir: Path) -> str | None:
+    """The run id the train stage left in `model_dir`, or None if it left none."""
+    path = Path(model_dir) / RUN_FILE
+    if not path.exists():
+        return None
+    return json.loads(path.read_text()).get("run_id")
