@@ -1,4 +1,4 @@
-"""The registry against a real MLflow store (SQLite in a temp dir): log, register, champion/challenger, load, predict."""
+"""The registry against a real MLflow store (SQLite in a temp dir): log, register, aliases, load, predict."""
 
 from __future__ import annotations
 
@@ -116,12 +116,25 @@ def test_champion_predicts_like_generate_text(registry):
     assert len(pyfunc.predict(pd.DataFrame({"prompt": prompts}))) == 2
     assert len(pyfunc.predict("The")) == 1
 
+    model, tokenizer = UltraThink.from_pretrained(root / "model2"), load_tokenizer(root / "tokenizer")
     greedy = {"temperature": 0.0}
     first = pyfunc.predict(["def f"], params=greedy)
     assert first == pyfunc.predict(["def f"], params=greedy)
-    direct = generate_text(UltraThink.from_pretrained(root / "model2"), load_tokenizer(root / "tokenizer"), "def f",
-                           max_new_tokens=EVAL.max_new_tokens, temperature=0.0, top_k=EVAL.top_k, seed=EVAL.seed)
-    assert first == [direct]
+    assert first == [generate_text(model, tokenizer, "def f", max_new_tokens=EVAL.max_new_tokens, temperature=0.0,
+                                   top_k=EVAL.top_k, seed=EVAL.seed)]
+    # Without params, the EvaluateConfig values logged with the model apply (seeded sampling is repeatable).
+    assert pyfunc.predict(["def f"]) == [generate_text(model, tokenizer, "def f", **EVAL.model_dump(
+        include={"max_new_tokens", "temperature", "top_k", "seed"}))]
+
+
+def test_diverged_model_never_becomes_champion(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    make_tokenizer(tmp_path / "tokenizer")
+    make_model(tmp_path / "model", len(load_tokenizer(tmp_path / "tokenizer")), seed=0)
+    decision = promote(tmp_path / "model", tmp_path / "tokenizer", {"val_bpb": float("nan")}, REG, EVAL, TAGS,
+                       None, tmp_path)
+    assert not decision["promoted"] and "not finite" in decision["reason"]
+    assert "champion" not in MlflowClient().get_registered_model(REG.model_name).aliases
 
 
 def test_promote_reopens_the_training_run(tmp_path, monkeypatch):

@@ -77,15 +77,15 @@ class PrepareConfig(Section):
 
 
 class ModelConfig(Section):
-    d_model: int = Field(256, ge=8, description="residual stream width")
+    d_model: int = Field(192, ge=8, description="residual stream width")
     n_layers: int = Field(4, ge=1)
     n_heads: int = Field(4, ge=1)
     n_kv_heads: int = Field(2, ge=1, description="key/value heads (grouped-query attention); must divide n_heads")
     ffn_hidden: int | None = Field(None, ge=1, description="SwiGLU hidden width; default 8/3·d_model rounded up to 64")
-    seq_len: int = Field(256, ge=8, description="context length")
+    seq_len: int = Field(128, ge=8, description="context length")
     rope_theta: float = Field(10000.0, gt=0)
     norm_eps: float = Field(1e-5, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    dropout: float = Field(0.1, ge=0, lt=1)
     init_std: float = Field(0.02, gt=0)
 
     @model_validator(mode="after")
@@ -119,7 +119,8 @@ class TrainConfig(Section):
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
     grad_clip: float = Field(1.0, ge=0, description="clip the global gradient norm to this; 0 turns clipping off")
-    precision: Literal["fp32", "bf16"] = Field("bf16", description="bf16 autocast is ~3x faster on these CPUs")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="auto: bf16 autocast where this hardware runs it faster than fp32 (measured), else fp32")
     eval_every: int = Field(100, ge=1, description="steps between validation passes")
     eval_batches: int = Field(10, ge=1, description="validation micro-batches per pass")
     checkpoint_every: int = Field(100, ge=1)

@@ -7,17 +7,14 @@ is no unknown token. The literal text "<|endoftext|>" inside a document is encod
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from ultrathink.config import TokenizerConfig
+from ultrathink.io import atomic_dir
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -41,35 +38,14 @@ def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, out_dir: Path) -
         tokenizer_object=tokenizer, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
         model_max_length=MODEL_MAX_LENGTH, split_special_tokens=True,
     )
-    with staged_dir(Path(out_dir)) as tmp:
+    with atomic_dir(out_dir) as tmp:
         wrapped.save_pretrained(tmp)
 
 
-def load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     """The tokenizer saved by `train_tokenizer`, from local files only."""
     path = Path(path)
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"no tokenizer at {path} (expected {path / 'tokenizer.json'}); train it first")
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
-
-@contextmanager
-def staged_dir(final: Path) -> Iterator[Path]:
-    """Yield an empty temp dir next to `final`; on success it replaces `final`, on error it is deleted.
-
-    Readers therefore see the old complete output or the new complete output, never a half-written one.
-    """
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        yield tmp
-        tmp.chmod(0o755)  # mkdtemp makes it owner-only
-        if final.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
-            os.replace(final, old / final.name)  # a rename cannot overwrite a non-empty dir: move it aside first
-            os.replace(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

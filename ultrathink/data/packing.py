@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from ultrathink.config import PrepareConfig
-from ultrathink.tokenizer import load_tokenizer, staged_dir
+from ultrathink.io import atomic_dir
+from ultrathink.tokenizer import load_tokenizer
 
 SPLITS = ("train", "val")
 META_FILE = "meta.json"
@@ -35,7 +36,7 @@ def prepare_splits(corpus_jsonl: Path, tokenizer_dir: Path, cfg: PrepareConfig, 
     dtype = np.dtype(np.uint16 if len(tokenizer) <= 65535 else np.uint32)
     in_val, moved = _assign_splits(corpus_jsonl, cfg.val_fraction)
     stats = {split: {"tokens": 0, "bytes": 0, "documents": 0} for split in SPLITS}
-    with staged_dir(out_dir) as tmp, ExitStack() as files:
+    with atomic_dir(out_dir) as tmp, ExitStack() as files:
         outputs = {split: files.enter_context(open(tmp / f"{split}.bin", "wb")) for split in SPLITS}
         start = 0
         for texts in _batches(_read_texts(corpus_jsonl), cfg.batch_size):
@@ -103,7 +104,8 @@ def _read_texts(corpus_jsonl: Path) -> Iterator[str]:
             except (json.JSONDecodeError, AttributeError) as exc:
                 raise ValueError(f"{corpus_jsonl}:{number}: not a JSON object: {exc}") from None
             if not isinstance(text, str):
-                raise ValueError(f"{corpus_jsonl}:{number}: 'text' must be a string, got {type(text).__name__}")
+                got = "null or no 'text' key" if text is None else type(text).__name__
+                raise ValueError(f"{corpus_jsonl}:{number}: 'text' must be a string, got {got}")
             yield text
 
 

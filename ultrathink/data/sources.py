@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 from ultrathink.config import DataConfig
+from ultrathink.errors import StageError
 
 TEXT = "text"
 EMBEDDED = "embedded"
@@ -21,7 +22,7 @@ _STRING_TYPES = {"string", "large_string", "null"}  # "null": a column with no v
 _BLANK_LINE = re.compile(r"\n\s*\n")
 
 
-class CorpusError(ValueError):
+class CorpusError(StageError, ValueError):
     """The corpus source cannot be read; the message names the file and, where relevant, the column."""
 
 

@@ -16,6 +16,7 @@ import pandas as pd
 from great_expectations.data_context.types.base import ProgressBarsConfig
 
 from ultrathink.config import ValidateConfig
+from ultrathink.errors import StageError
 
 TEXT = "text"
 _DUPLICATE = "repeats_earlier_row"
@@ -56,7 +57,7 @@ class ValidationReport:
         return "\n".join(lines)
 
 
-class CorpusValidationError(Exception):
+class CorpusValidationError(StageError):
     """Raised by callers that refuse to go on with a corpus that failed validation; carries the report."""
 
     def __init__(self, report: ValidationReport):

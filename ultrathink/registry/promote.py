@@ -24,7 +24,7 @@ from packaging.version import Version
 import ultrathink
 from ultrathink.config import EvaluateConfig, RegistryConfig
 from ultrathink.io import atomic_write_json
-from ultrathink.registry.tracking import start_or_resume_run, use_tracking
+from ultrathink.registry.tracking import BAD_VALUE, NOT_FOUND, start_or_resume_run
 
 CHAMPION = "champion"
 CHALLENGER = "challenger"
@@ -72,8 +72,8 @@ def log_pyfunc(model_dir: Path, tokenizer_dir: Path, eval_cfg: EvaluateConfig):
     """Log the model into the active run as models-from-code; returns MLflow's ModelInfo."""
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         # No input_example on purpose: the explicit signature already describes the input, and MLflow would
-        # load and run the model at log time to check an example.
-        warnings.filterwarnings("ignore", message="An input example was not provided")
+        # load and run the model at log time to check an example. (The message starts with a colour code.)
+        warnings.filterwarnings("ignore", message=".*An input example was not provided")
         generation = Path(tmp) / "generation.json"
         atomic_write_json(generation, generation_defaults(eval_cfg))
         return mlflow.pyfunc.log_model(
@@ -88,19 +88,27 @@ def log_pyfunc(model_dir: Path, tokenizer_dir: Path, eval_cfg: EvaluateConfig):
 
 def _metric_of(client: MlflowClient, version: ModelVersion, metric: str) -> float | None:
     """A version's metric: from its tag, else from its run's metrics, else None."""
-    if metric in version.tags:
+    try:
         return float(version.tags[metric])
+    except (KeyError, ValueError):
+        pass
     try:
         return client.get_run(version.run_id).data.metrics.get(metric) if version.run_id else None
-    except MlflowException:
-        return None
+    except MlflowException as exc:
+        if exc.error_code in (NOT_FOUND, BAD_VALUE):
+            return None
+        raise
 
 
 def _current_champion(client: MlflowClient, name: str) -> ModelVersion | None:
+    """The champion version, or None if there is none yet. A store failure raises rather than reading as
+    "no champion", which would promote the new model unchecked."""
     try:
         return client.get_model_version_by_alias(name, CHAMPION)
-    except MlflowException:
-        return None
+    except MlflowException as exc:
+        if exc.error_code in (NOT_FOUND, BAD_VALUE):
+            return None
+        raise
 
 
 def _decide(value: float, previous: float | None, champion: ModelVersion | None, metric: str) -> tuple[bool, str]:
@@ -134,13 +142,12 @@ def promote(model_dir: Path, tokenizer_dir: Path, metrics: dict[str, float], cfg
     if cfg.metric not in metrics:
         raise ValueError(f"metric {cfg.metric!r} missing from metrics (have: {', '.join(sorted(metrics))})")
     value = float(metrics[cfg.metric])
-    use_tracking(root)
-    client = MlflowClient()
     with start_or_resume_run(cfg.experiment, root, run_id) as run:
         _ensure_run_metrics(metrics)
         info = log_pyfunc(Path(model_dir), Path(tokenizer_dir), eval_cfg)
         version_tags = {**{k: str(v) for k, v in tags.items()}, cfg.metric: repr(value)}
         version = mlflow.register_model(info.model_uri, cfg.model_name, tags=version_tags)
+    client = MlflowClient()
     client.set_registered_model_alias(cfg.model_name, CHALLENGER, version.version)
     champion = _current_champion(client, cfg.model_name)
     previous = _metric_of(client, champion, cfg.metric) if champion else None

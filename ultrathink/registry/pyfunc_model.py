@@ -48,7 +48,8 @@ class UltraThinkModel(PythonModel):
         self.defaults = json.loads(Path(context.artifacts["generation"]).read_text())
 
     def generation_knobs(self, params: dict[str, Any] | None) -> dict[str, Any]:
-        """generation.json defaults, overridden by any known key in `params` (unknown keys are ignored)."""
+        """generation.json defaults, overridden by any known key in `params` (unknown keys are ignored).
+        top_k of 0 or None means no top-k cut; temperature 0 means greedy."""
         knobs = {k: self.defaults.get(k) for k in GENERATION_KEYS}
         knobs.update({k: v for k, v in (params or {}).items() if k in GENERATION_KEYS})
         knobs["max_new_tokens"] = int(knobs["max_new_tokens"])

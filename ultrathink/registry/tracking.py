@@ -23,6 +23,8 @@ from mlflow.tracking import MlflowClient
 from ultrathink.io import atomic_write_json
 
 RUN_FILE = "mlflow_run.json"
+# Error codes meaning "no such thing" (a malformed id or alias is a BAD_VALUE); anything else is a real failure.
+NOT_FOUND, BAD_VALUE = "RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"
 DB_FILE = "mlflow.db"
 ARTIFACT_DIR = "mlartifacts"
 # Schemes that name a tracking server; such a server decides where artifacts go.
@@ -68,11 +70,13 @@ def ensure_experiment(name: str, root: Path) -> str:
 
 
 def _known_run(run_id: str) -> bool:
-    """Whether the current store holds a live run with this id."""
+    """Whether the current store holds a live run with this id. Other errors (store unreachable) propagate."""
     try:
         return MlflowClient().get_run(run_id).info.lifecycle_stage == LifecycleStage.ACTIVE
-    except MlflowException:
-        return False
+    except MlflowException as exc:
+        if exc.error_code in (NOT_FOUND, BAD_VALUE):
+            return False
+        raise
 
 
 def start_or_resume_run(experiment: str, root: Path, run_id: str | None = None,

@@ -18,6 +18,7 @@ from ultrathink.config import TrainConfig
 from ultrathink.train.checkpoint import CheckpointManager
 from ultrathink.train.loader import TokenWindows, eval_batches
 from ultrathink.train.optim import build_optimizer
+from ultrathink.train.precision import resolve_precision
 from ultrathink.train.schedule import build_scheduler
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ MetricsSink = Callable[[dict[str, float], int], None]
 
 
 def autocast(precision: str, device: str = "cpu"):
-    if precision == "bf16":
+    if resolve_precision(precision, device) == "bf16":
         return torch.autocast(device_type=device, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
