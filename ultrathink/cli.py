@@ -74,12 +74,23 @@ def list_params() -> None:
     Console().print(table)
 
 
+def _log_to_stderr() -> None:
+    """Our own INFO lines (resume, precision choice) on stderr; other libraries keep their own settings."""
+    logger = logging.getLogger("ultrathink")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 def stage_entry(name: str) -> None:
     """`python -m tasks.<name> [--params P] [--set K=V]...` is `ultrathink stage <name> ...`."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    _log_to_stderr()
     app(["stage", name, *sys.argv[1:]], prog_name=f"python -m tasks.{name}")
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    _log_to_stderr()
     app()

@@ -1,0 +1,137 @@
+"""End to end, with the real tools: `dvc repro` and the Prefect flow run every stage on a tiny config in a temporary
+copy of the project; the champion is loaded back from the MLflow registry and generates text."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {
+    "data": {"max_samples": 400},
+    "validate": {"min_rows": 50},
+    "tokenizer": {"vocab_size": 320},
+    "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "seq_len": 32},
+    "train": {"max_steps": 12, "batch_size": 4, "warmup_steps": 2, "eval_every": 6, "eval_batches": 2,
+              "checkpoint_every": 6, "log_every": 6, "lr": 0.01},
+    "evaluate": {"prompts": ["The"], "max_new_tokens": 8, "batch_size": 8},
+}
+
+
+def sh(args: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env.pop("MLFLOW_TRACKING_URI", None)  # each copy uses its own sqlite registry
+    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True)
+    if check and done.returncode:
+        raise AssertionError(f"{args} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return done
+
+
+def set_params(project: Path, changes: dict) -> None:
+    path = project / "params.yaml"
+    params = yaml.safe_load(path.read_text())
+    for section, values in changes.items():
+        params.setdefault(section, {}).update(values)
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def make_project(tmp: Path) -> Path:
+    """A git + DVC checkout of this project's tracked files, with tiny params."""
+    project = tmp / "project"
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for name in files:
+        if (ROOT / name).is_file():
+            (project / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, project / name)
+    set_params(project, TINY)
+    sh(["git", "init", "-q"], project)
+    sh(["git", "add", "-A"], project)
+    sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"], project)
+    return project
+
+
+def client_for(project: Path) -> MlflowClient:
+    uri = f"sqlite:///{project / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    return MlflowClient(uri, uri)
+
+
+def ran_stages(output: str) -> list[str]:
+    return [line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage")]
+
+
+@pytest.fixture(scope="module")
+def repro_project(tmp_path_factory) -> Path:
+    project = make_project(tmp_path_factory.mktemp("repro"))
+    first = sh(["dvc", "repro"], project)
+    assert ran_stages(first.stdout) == ["validate", "tokenizer", "prepare", "train", "evaluate", "promote"]
+    return project
+
+
+def test_repro_registers_a_champion_that_generates(repro_project):
+    decision = json.loads((repro_project / "reports/promotion.json").read_text())
+    assert decision["promoted"] and decision["version"] == 1
+    metrics = json.loads((repro_project / "reports/metrics.json").read_text())
+    assert metrics["val_loss"] < metrics["unigram_loss"] + 1.0  # trained a little: near or below the unigram floor
+    assert 0 < metrics["val_bpb"] < 8
+    client = client_for(repro_project)
+    version = client.get_model_version_by_alias("ultrathink", "champion")
+    assert version.version == 1 and version.tags["git_commit"] != "unknown" and "params_hash" in version.tags
+    model = mlflow.pyfunc.load_model("models:/ultrathink@champion")
+    out = model.predict(["The", "A"], params={"temperature": 0.0, "max_new_tokens": 5})
+    assert len(out) == 2 and all(isinstance(text, str) for text in out)
+
+
+def test_unchanged_inputs_skip_every_stage(repro_project):
+    assert "up to date" in sh(["dvc", "status"], repro_project).stdout
+    assert ran_stages(sh(["dvc", "repro"], repro_project).stdout) == []
+
+
+def test_worse_model_change_reruns_only_downstream_and_keeps_champion(repro_project):
+    set_params(repro_project, {"model": {"d_model": 16}, "train": {"max_steps": 2, "warmup_steps": 1}})
+    out = sh(["dvc", "repro"], repro_project).stdout
+    assert ran_stages(out) == ["train", "evaluate", "promote"]
+    decision = json.loads((repro_project / "reports/promotion.json").read_text())
+    assert decision["version"] == 2 and not decision["promoted"]
+    client = client_for(repro_project)
+    assert client.get_model_version_by_alias("ultrathink", "champion").version == 1
+    assert client.get_model_version_by_alias("ultrathink", "challenger").version == 2
+
+
+def test_corrupt_corpus_stops_at_validate_without_a_new_version(repro_project):
+    (repro_project / "data/raw/broken.jsonl").write_text('{"text": null}\n' * 60)
+    set_params(repro_project, {"data": {"source": "data/raw/broken.jsonl", "max_samples": None}})
+    failed = sh(["dvc", "repro"], repro_project, check=False)
+    assert failed.returncode != 0
+    assert ran_stages(failed.stdout) == ["validate"]
+    assert "text not null" in failed.stdout + failed.stderr and "60" in failed.stdout + failed.stderr
+    versions = client_for(repro_project).search_model_versions("name='ultrathink'")
+    assert len(versions) == 2
+
+
+def test_bad_params_fail_before_any_work(repro_project, tmp_path):
+    bad = tmp_path / "params.yaml"
+    bad.write_text("train:\n  lr: -1\n")
+    done = sh([sys.executable, "-m", "tasks.train", "--params", str(bad)], repro_project, check=False)
+    assert done.returncode == 2 and "train.lr: Input should be greater than 0" in done.stderr
+
+
+def test_prefect_flow_runs_the_dvc_stages_then_skips(tmp_path):
+    project = make_project(tmp_path)
+    first = sh([sys.executable, "-m", "flows.pipeline"], project)
+    log = first.stdout + first.stderr
+    assert log.count("ran in") == 6, log[-3000:]
+    assert "up to date" in sh(["dvc", "status"], project).stdout
+    second = sh([sys.executable, "-m", "flows.pipeline"], project)
+    assert (second.stdout + second.stderr).count("up to date, skipped") == 6
+    assert client_for(project).get_model_version_by_alias("ultrathink", "champion").version == 1
