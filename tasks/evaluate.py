@@ -48,7 +48,7 @@ def run(params: Params) -> None:
     print(f"evaluate: val_loss {metrics['val_loss']:.4f} (unigram {unigram:.4f}) ppl {metrics['val_perplexity']:.1f} "
           f"bpb {metrics['val_bpb']:.4f}")
     for s in samples:
-        print(f"  {s['prompt']!r} → {s['completion'][:120]!r}")
+        print(f"  {s['prompt']!r} → greedy {s['greedy'][:100]!r} | sampled {s['sampled'][:100]!r}")
 
 
 if __name__ == "__main__":

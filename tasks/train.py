@@ -55,7 +55,9 @@ def run(params: Params) -> None:
         result = trainer.fit()
         summary = {"steps": result.step, "resumed_from": result.resumed_from, "seconds": round(result.seconds, 2),
                    "tokens_per_second": round(result.tokens_per_second, 1), "params": model.num_params(),
-                   "final_train_loss": result.history[-1]["train_loss"], "final_val_loss": result.history[-1].get("val_loss")}
+                   "final_train_loss": result.history[-1]["train_loss"], "final_val_loss": result.history[-1].get("val_loss"),
+                   "best_val_loss": result.best_val_loss, "skipped_steps": result.skipped_steps,
+                   "stopped_early": result.stopped_early}
         mlflow.log_metrics({"train_seconds": result.seconds, "train_tokens_per_second": result.tokens_per_second})
         with atomic_dir(p.model_dir) as out:
             model.save_pretrained(out)

@@ -108,15 +108,23 @@ def test_worse_model_change_reruns_only_downstream_and_keeps_champion(repro_proj
     assert client.get_model_version_by_alias("ultrathink", "challenger").version == 2
 
 
+def test_dvc_experiment_changes_one_knob(repro_project):
+    out = sh(["dvc", "exp", "run", "-S", "train.lr=0.02"], repro_project).stdout
+    assert ran_stages(out) == ["train", "evaluate", "promote"]
+    assert yaml.safe_load((repro_project / "params.yaml").read_text())["train"]["lr"] == 0.02
+    assert len(sh(["dvc", "exp", "list", "--name-only"], repro_project).stdout.split()) == 1
+    assert json.loads((repro_project / "reports/promotion.json").read_text())["version"] == 3
+
+
 def test_corrupt_corpus_stops_at_validate_without_a_new_version(repro_project):
+    before = len(client_for(repro_project).search_model_versions("name='ultrathink'"))
     (repro_project / "data/raw/broken.jsonl").write_text('{"text": null}\n' * 60)
     set_params(repro_project, {"data": {"source": "data/raw/broken.jsonl", "max_samples": None}})
     failed = sh(["dvc", "repro"], repro_project, check=False)
     assert failed.returncode != 0
     assert ran_stages(failed.stdout) == ["validate"]
     assert "text not null" in failed.stdout + failed.stderr and "60" in failed.stdout + failed.stderr
-    versions = client_for(repro_project).search_model_versions("name='ultrathink'")
-    assert len(versions) == 2
+    assert len(client_for(repro_project).search_model_versions("name='ultrathink'")) == before
 
 
 def test_bad_params_fail_before_any_work(repro_project, tmp_path):

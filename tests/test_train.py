@@ -11,7 +11,7 @@ from ultrathink.train.checkpoint import CheckpointManager
 from ultrathink.train.loader import TokenWindows, eval_batches
 from ultrathink.train.optim import param_groups
 from ultrathink.train.schedule import lr_factor
-from ultrathink.train.trainer import Trainer
+from ultrathink.train.trainer import NonFiniteLossError, Trainer
 
 MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, seq_len=16)
 VOCAB = 50
@@ -24,20 +24,26 @@ def corpus(n=4000, seed=0) -> np.ndarray:
 
 
 def make_trainer(tmp_path, steps, seed=0, **overrides) -> Trainer:
-    cfg = TrainConfig(max_steps=steps, batch_size=4, lr=1e-2, warmup_steps=2, eval_every=5, eval_batches=2,
-                      checkpoint_every=5, log_every=5, precision="fp32", seed=seed, **overrides)
+    settings = dict(max_steps=steps, batch_size=4, lr=1e-2, warmup_steps=2, eval_every=5, eval_batches=2,
+                    checkpoint_every=5, log_every=5, precision="fp32", seed=seed)
+    cfg = TrainConfig(**(settings | overrides))
     torch.manual_seed(seed)
     model = UltraThink(MODEL, VOCAB)
     loader = TokenWindows(corpus(), MODEL.seq_len, cfg.batch_size, cfg.seed)
     return Trainer(model, loader, corpus(600, seed=0), cfg, CheckpointManager(tmp_path / "ckpt", 2), "fp")
 
 
-def test_schedule_warms_up_then_decays_to_the_floor():
-    assert lr_factor(0, 10, 100, 0.1) == pytest.approx(0.1)
-    assert lr_factor(9, 10, 100, 0.1) == pytest.approx(1.0)
-    assert lr_factor(10, 10, 100, 0.1) == pytest.approx(1.0)
-    assert lr_factor(55, 10, 100, 0.1) == pytest.approx(0.55)
-    assert lr_factor(100, 10, 100, 0.1) == pytest.approx(0.1)
+@pytest.mark.parametrize("schedule, expected", [
+    ("cosine", [0.1, 1.0, 1.0, 0.55, 0.1]),
+    ("linear", [0.1, 1.0, 1.0, 0.55, 0.1]),
+    ("constant", [0.1, 1.0, 1.0, 1.0, 1.0]),
+    ("wsd", [0.1, 1.0, 1.0, 1.0, 0.1]),
+])
+def test_schedules_warm_up_then_follow_their_shape(schedule, expected):
+    cfg = TrainConfig(max_steps=100, warmup_steps=10, min_lr_ratio=0.1, schedule=schedule, decay_fraction=0.2)
+    assert [lr_factor(s, cfg) for s in (0, 9, 10, 55, 100)] == pytest.approx(expected)
+    if schedule == "wsd":  # stable until 80% of the post-warmup steps, then linear to the floor
+        assert lr_factor(82, cfg) == pytest.approx(1.0) and lr_factor(91, cfg) == pytest.approx(0.55)
 
 
 def test_weight_decay_skips_norms_and_embeddings():
@@ -137,3 +143,64 @@ def test_bits_per_byte_and_unigram_baseline():
     assert bits_per_byte(math.log(2), n_tokens=10, n_bytes=40) == pytest.approx(0.25)
     uniform = np.arange(100, dtype=np.uint16) % 4
     assert unigram_cross_entropy(uniform, uniform, 4) == pytest.approx(math.log(4))
+
+
+@pytest.mark.parametrize("optimizer", ["lion", "muon"])
+def test_other_optimizers_learn_and_resume_exactly(tmp_path, optimizer):
+    straight = make_trainer(tmp_path / "a", 10, optimizer=optimizer, lr=3e-3)
+    before = straight.validate()
+    straight.fit()
+    assert straight.history[-1]["val_loss"] < before - 0.4
+    killed = make_trainer(tmp_path / "b", 10, optimizer=optimizer, lr=3e-3)
+    while killed.step < 5:
+        killed.train_step()
+    killed.checkpoints.save(killed.step, "fp", killed.model, killed.state())
+    resumed = make_trainer(tmp_path / "b", 10, optimizer=optimizer, lr=3e-3)
+    assert resumed.resume() == 5
+    resumed.fit()
+    assert all(torch.equal(a, b) for a, b in zip(straight.model.state_dict().values(),
+                                                  resumed.model.state_dict().values()))
+
+
+def poison(trainer: Trainer, steps: set[int]) -> None:
+    """Make the loss NaN on the given (1-based) optimizer steps, as a bad batch or an overflow would."""
+    calls = {"n": 0}
+
+    def hook(module, args, output):
+        calls["n"] += 1
+        return output * float("nan") if calls["n"] in steps else output
+
+    trainer.model.embed.register_forward_hook(hook)
+
+
+def test_non_finite_steps_are_skipped_and_counted(tmp_path):
+    trainer = make_trainer(tmp_path, 10, eval_every=100)
+    poison(trainer, {3, 4})
+    result = trainer.fit()
+    assert result.step == 10 and result.skipped_steps == 2
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_too_many_bad_steps_stop_without_a_nan_checkpoint(tmp_path):
+    trainer = make_trainer(tmp_path, 20, max_bad_steps=3)
+    poison(trainer, set(range(7, 100)))
+    with pytest.raises(NonFiniteLossError, match="3 consecutive steps"):
+        trainer.fit()
+    latest = trainer.checkpoints.latest()
+    assert latest.step == 5  # the last good one; nothing written from the NaN steps
+    assert all(torch.isfinite(t).all() for t in latest.load_weights().values())
+
+
+def test_early_stopping_keeps_the_best_model(tmp_path):
+    trainer = make_trainer(tmp_path, 200, eval_every=5, early_stopping_patience=2, lr=5e-2,
+                           warmup_steps=1, min_lr_ratio=1.0)
+    best_seen = []
+    original = trainer.validate
+    # Validation gets worse after the second pass: patience 2 stops the run two passes later.
+    trainer.validate = lambda: best_seen.append(original()) or [3.0, 2.0, 2.5, 2.6, 2.7][len(best_seen) - 1]
+    result = trainer.fit()
+    assert result.stopped_early and result.step == 20 and result.best_val_loss == 2.0
+    best = trainer.checkpoints.best()
+    assert best.step == 10
+    kept = trainer.model.state_dict()
+    assert all(torch.equal(w, kept[name]) for name, w in best.load_weights().items())

@@ -119,6 +119,15 @@ class TrainConfig(Section):
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
     grad_clip: float = Field(1.0, ge=0, description="clip the global gradient norm to this; 0 turns clipping off")
+    optimizer: Literal["adamw", "lion", "muon"] = Field(
+        "adamw", description="muon: Muon on 2-D hidden matrices, AdamW on embeddings and norms")
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = Field(
+        "cosine", description="after warmup; wsd = warmup-stable-decay")
+    decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: share of steps spent decaying at the end")
+    max_bad_steps: int = Field(
+        5, ge=1, description="consecutive non-finite loss/gradient steps (each skipped) before the run stops")
+    early_stopping_patience: int | None = Field(
+        None, ge=1, description="stop after this many validations without improvement; the best model is kept")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="auto: bf16 autocast where this hardware runs it faster than fp32 (measured), else fp32")
     eval_every: int = Field(100, ge=1, description="steps between validation passes")
@@ -132,7 +141,8 @@ class TrainConfig(Section):
     # Knobs that change when and how often things are recorded, not the numbers trained: a checkpoint made under
     # other values of these is still a valid point to resume from.
     BOOKKEEPING: ClassVar[frozenset[str]] = frozenset(
-        {"eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints", "log_every", "resume", "threads"})
+        {"eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints", "log_every", "resume", "threads",
+         "max_bad_steps"})
 
     def resume_fingerprint(self, model: "ModelConfig", data_hash: str) -> str:
         """Identifies the training computation: resuming is allowed only into the same one."""

@@ -39,8 +39,8 @@ def evaluate_split(model: UltraThink, val_tokens: np.ndarray, split_meta: dict, 
 
 
 def sample_generations(model: UltraThink, tokenizer, cfg: EvaluateConfig) -> list[dict[str, str]]:
-    return [
-        {"prompt": p, "completion": generate_text(model, tokenizer, p, cfg.max_new_tokens, cfg.temperature,
-                                                  cfg.top_k, cfg.seed)}
-        for p in cfg.prompts
-    ]
+    """For each prompt, the greedy continuation and one sampled with the configured temperature and top-k."""
+    def complete(prompt: str, temperature: float) -> str:
+        return generate_text(model, tokenizer, prompt, cfg.max_new_tokens, temperature, cfg.top_k, cfg.seed)
+
+    return [{"prompt": p, "greedy": complete(p, 0.0), "sampled": complete(p, cfg.temperature)} for p in cfg.prompts]

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
+BEST = "best"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -59,7 +60,11 @@ class CheckpointManager:
     def __init__(self, directory: str | Path, keep: int):
         self.directory, self.keep = Path(directory), keep
 
-    def save(self, step: int, fingerprint: str, model, state: dict[str, Any]) -> Path:
+    def save(self, step: int, fingerprint: str, model, state: dict[str, Any], name: str | None = None) -> Path:
+        """Write `step_<step>/` (or `name/`, e.g. the best checkpoint, kept apart from the last N)."""
+        bad = [n for n, p in model.state_dict().items() if p.is_floating_point() and not torch.isfinite(p).all()]
+        if bad:
+            raise ValueError(f"refusing to checkpoint non-finite weights ({', '.join(bad[:3])})")
         self.directory.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".step_{step:08d}.", dir=self.directory))
         try:
@@ -69,7 +74,7 @@ class CheckpointManager:
             manifest = {"step": step, "fingerprint": fingerprint, "files": files}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
             _fsync_dir(tmp)
-            final = self.directory / f"step_{step:08d}"
+            final = self.directory / (name or f"step_{step:08d}")
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -101,9 +106,17 @@ class CheckpointManager:
             log.warning("checkpoint %s is unusable (%s); falling back to an older one", path, problem)
         return None
 
+    def best(self) -> Checkpoint | None:
+        path = self.directory / BEST
+        if not path.exists() or _verify(path) is not None:
+            return None
+        manifest = json.loads((path / MANIFEST).read_text())
+        return Checkpoint(path, manifest["step"], manifest["fingerprint"])
+
     def clear(self) -> None:
         for _, path in self._step_dirs():
             shutil.rmtree(path)
+        shutil.rmtree(self.directory / BEST, ignore_errors=True)
 
 
 def _verify(path: Path) -> str | None:

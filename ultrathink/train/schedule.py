@@ -1,8 +1,10 @@
-"""Learning-rate schedule: linear warmup, then cosine decay to min_lr_ratio·lr at max_steps."""
+"""Learning-rate schedules: linear warmup, then cosine, linear, constant or warmup-stable-decay (WSD).
+
+The scheduler's whole state is the peak lr of each group and the step, so a checkpoint restores it exactly.
+"""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -10,14 +12,52 @@ import torch
 from ultrathink.config import TrainConfig
 
 
-def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+def lr_factor(step: int, cfg: TrainConfig) -> float:
     """Multiplier of the peak lr for optimizer step `step` (0-based)."""
+    warmup, total, floor = cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio
     if step < warmup:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    if cfg.schedule == "cosine":
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    if cfg.schedule == "linear":
+        return floor + (1 - floor) * (1 - progress)
+    if cfg.schedule == "constant":
+        return 1.0
+    # wsd: hold the peak, then decay linearly over the last decay_fraction of training.
+    decay_start = 1 - cfg.decay_fraction
+    if progress <= decay_start:
+        return 1.0
+    return floor + (1 - floor) * (1 - (progress - decay_start) / cfg.decay_fraction)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    factor = functools.partial(lr_factor, warmup=cfg.warmup_steps, total=cfg.max_steps, min_ratio=cfg.min_lr_ratio)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+class Scheduler:
+    """Sets each param group's lr to peak × lr_factor(step) across one or more optimizers."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer], cfg: TrainConfig):
+        self.optimizers, self.cfg, self.step_count = optimizers, cfg, 0
+        self.peaks = [g["lr"] for g in self.groups()]
+        self._apply()
+
+    def groups(self) -> list[dict]:
+        # Looked up each time: Optimizer.load_state_dict replaces its param_group dicts.
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def _apply(self) -> None:
+        factor = lr_factor(self.step_count, self.cfg)
+        for group, peak in zip(self.groups(), self.peaks):
+            group["lr"] = peak * factor
+
+    def step(self) -> None:
+        self.step_count += 1
+        self._apply()
+
+    def get_last_lr(self) -> list[float]:
+        return [g["lr"] for g in self.groups()]
+
+    def state_dict(self) -> dict:
+        return {"step_count": self.step_count, "peaks": list(self.peaks)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_count, self.peaks = int(state["step_count"]), [float(p) for p in state["peaks"]]
+        self._apply()

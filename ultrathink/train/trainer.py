@@ -15,15 +15,20 @@ import torch
 from tqdm import tqdm
 
 from ultrathink.config import TrainConfig
+from ultrathink.errors import StageError
 from ultrathink.train.checkpoint import CheckpointManager
 from ultrathink.train.loader import TokenWindows, eval_batches
-from ultrathink.train.optim import build_optimizer
+from ultrathink.train.optim import build_optimizers
 from ultrathink.train.precision import resolve_precision
-from ultrathink.train.schedule import build_scheduler
+from ultrathink.train.schedule import Scheduler
 
 log = logging.getLogger(__name__)
 
 MetricsSink = Callable[[dict[str, float], int], None]
+
+
+class NonFiniteLossError(StageError):
+    """Training produced too many non-finite losses or gradients in a row; no checkpoint was written from them."""
 
 
 def autocast(precision: str, device: str = "cpu"):
@@ -54,6 +59,9 @@ class TrainResult:
     history: list[dict[str, float]] = field(default_factory=list)
     seconds: float = 0.0
     tokens_per_second: float = 0.0
+    skipped_steps: int = 0
+    best_val_loss: float | None = None
+    stopped_early: bool = False
 
 
 class Trainer:
@@ -63,21 +71,24 @@ class Trainer:
         self.model, self.loader, self.val_tokens, self.cfg = model, train_loader, val_tokens, cfg
         self.checkpoints, self.fingerprint = checkpoints, fingerprint
         self.log_metrics = log_metrics or (lambda metrics, step: None)
-        self.optimizer = build_optimizer(model, cfg)
-        self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.optimizers = build_optimizers(model, cfg)
+        self.scheduler = Scheduler(self.optimizers, cfg)
         self.step = 0
         self.history: list[dict[str, float]] = []
+        # Guard and early-stopping counters are part of the state: a resumed run must make the same decisions.
+        self.counters = {"skipped": 0, "bad_in_a_row": 0, "evals_without_gain": 0, "best_val": math.inf}
         self.tokens_per_step = cfg.batch_size * cfg.grad_accum * train_loader.seq_len
 
     # ---- checkpoint state -------------------------------------------------------------------------------------
     def state(self) -> dict:
         return {
             "step": self.step,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizers": [opt.state_dict() for opt in self.optimizers],
             "scheduler": self.scheduler.state_dict(),
             "loader": self.loader.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "history": self.history,
+            "counters": dict(self.counters),
         }
 
     def resume(self) -> int | None:
@@ -92,17 +103,23 @@ class Trainer:
             return None
         state = latest.load_state()
         self.model.load_state_dict(latest.load_weights())
-        self.optimizer.load_state_dict(state["optimizer"])
+        for opt, opt_state in zip(self.optimizers, state["optimizers"]):
+            opt.load_state_dict(opt_state)
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["loader"])
         torch.set_rng_state(state["torch_rng"])
-        self.step, self.history = state["step"], state["history"]
+        self.step, self.history, self.counters = state["step"], state["history"], dict(state["counters"])
         log.warning("resumed from %s at step %d", latest.path, self.step)
         return self.step
 
     # ---- the loop -------------------------------------------------------------------------------------------
-    def train_step(self) -> tuple[float, float]:
-        """One optimizer step over grad_accum micro-batches; returns (mean loss, gradient norm before clipping)."""
+    def _zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    def train_step(self) -> tuple[float, float] | None:
+        """One optimizer step over grad_accum micro-batches: (mean loss, gradient norm before clipping), or None
+        when the loss or gradient is not finite — then the update is skipped and counted."""
         self.model.train()
         total = 0.0
         for _ in range(self.cfg.grad_accum):
@@ -113,26 +130,57 @@ class Trainer:
             total += loss.item() / self.cfg.grad_accum
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
-        self.optimizer.step()
+        if not (math.isfinite(total) and math.isfinite(grad_norm)):
+            self._zero_grad()
+            self._count_bad_step(total, grad_norm)
+            return None
+        self.counters["bad_in_a_row"] = 0
+        for opt in self.optimizers:
+            opt.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         self.step += 1
         return total, grad_norm
+
+    def _count_bad_step(self, loss: float, grad_norm: float) -> None:
+        self.counters["skipped"] += 1
+        self.counters["bad_in_a_row"] += 1
+        log.warning("step %d: non-finite loss %s or gradient norm %s; update skipped (%d in a row)",
+                    self.step + 1, loss, grad_norm, self.counters["bad_in_a_row"])
+        if self.counters["bad_in_a_row"] >= self.cfg.max_bad_steps:
+            raise NonFiniteLossError(
+                f"{self.counters['bad_in_a_row']} consecutive steps with a non-finite loss or gradient at step "
+                f"{self.step + 1} (train.max_bad_steps={self.cfg.max_bad_steps}); lower train.lr or check the data. "
+                f"The last good checkpoint is kept in {self.checkpoints.directory}")
 
     def validate(self) -> float:
         batches = eval_batches(self.val_tokens, self.loader.seq_len, self.cfg.batch_size, self.cfg.eval_batches)
         return mean_loss(self.model, batches, self.cfg.precision)[0]
 
+    def _track_best(self, val_loss: float) -> bool:
+        """Keep the best checkpoint apart from the last N; True when patience has run out."""
+        if val_loss < self.counters["best_val"]:
+            self.counters["best_val"], self.counters["evals_without_gain"] = val_loss, 0
+            self.checkpoints.save(self.step, self.fingerprint, self.model, self.state(), name="best")
+            return False
+        self.counters["evals_without_gain"] += 1
+        patience = self.cfg.early_stopping_patience
+        return patience is not None and self.counters["evals_without_gain"] >= patience
+
     def fit(self) -> TrainResult:
         """Train up to cfg.max_steps from the current step (call resume() first to continue a checkpoint)."""
-        cfg, first_step = self.cfg, self.step
+        cfg, first_step, stop = self.cfg, self.step, False
         started, window_start, window_steps = time.perf_counter(), time.perf_counter(), 0
         bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step", disable=None, leave=False)
-        while self.step < cfg.max_steps:
-            loss, grad_norm = self.train_step()
+        while self.step < cfg.max_steps and not stop:
+            outcome = self.train_step()
+            if outcome is None:
+                continue
+            loss, grad_norm = outcome
             window_steps += 1
             bar.update(1)
-            record = {"train_loss": loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm}
+            record = {"train_loss": loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                      "skipped_steps": float(self.counters["skipped"])}
             last = self.step == cfg.max_steps
             if self.step % cfg.log_every == 0 or last:
                 elapsed = time.perf_counter() - window_start
@@ -140,17 +188,24 @@ class Trainer:
                 window_start, window_steps = time.perf_counter(), 0
             if self.step % cfg.eval_every == 0 or last:
                 record["val_loss"] = self.validate()
+                stop = self._track_best(record["val_loss"])
+            self.log_metrics(record, self.step)  # every step to the tracker; the console and history less often
             if "tokens_per_second" in record or "val_loss" in record:
                 self.history.append({"step": self.step, **record})
-                self.log_metrics(record, self.step)
                 bar.write(step_line(self.step, cfg.max_steps, record))
-            if self.step % cfg.checkpoint_every == 0 or last:
+            if self.step % cfg.checkpoint_every == 0 or last or stop:
                 self.checkpoints.save(self.step, self.fingerprint, self.model, self.state())
         bar.close()
+        if stop:
+            log.warning("early stop at step %d: no val gain in %d validations; keeping the best model (val %.4f)",
+                        self.step, cfg.early_stopping_patience, self.counters["best_val"])
+            self.model.load_state_dict(self.checkpoints.best().load_weights())
         seconds = time.perf_counter() - started
         trained = self.step - first_step
+        best = self.counters["best_val"]
         return TrainResult(self.step, first_step or None, self.history, seconds,
-                           trained * self.tokens_per_step / seconds if seconds else 0.0)
+                           trained * self.tokens_per_step / seconds if seconds else 0.0,
+                           self.counters["skipped"], best if math.isfinite(best) else None, stop)
 
 
 def step_line(step: int, total: int, r: dict[str, float]) -> str:
