@@ -15,6 +15,7 @@ from ultrathink.lineage import lineage_tags
 from ultrathink.model import UltraThink
 from ultrathink.registry.tracking import load_run_id, save_run_id, start_or_resume_run
 from ultrathink.train.checkpoint import CheckpointManager
+from ultrathink.train.distributed import Distributed, setup
 from ultrathink.train.loader import TokenWindows
 from ultrathink.train.trainer import Trainer
 
@@ -24,24 +25,37 @@ def flat_params(params: Params) -> dict[str, object]:
     return {f"{section}.{k}": v for section in ("data", "tokenizer", "model", "train") for k, v in dump[section].items()}
 
 
-def build_trainer(params: Params, log_metrics=None) -> Trainer:
+def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> Trainer:
     p, cfg = params.paths, params.train
     torch.manual_seed(cfg.seed)
     prepared = Path(p.prepared_dir)
     meta = read_meta(prepared)
     model = UltraThink(params.model, meta["vocab_size"])
-    loader = TokenWindows(load_split(prepared, "train"), params.model.seq_len, cfg.batch_size, cfg.seed)
+    loader = TokenWindows(load_split(prepared, "train"), params.model.seq_len, cfg.batch_size, cfg.seed,
+                          rank=dist.rank, world_size=dist.world_size)
     fingerprint = cfg.resume_fingerprint(params.model, lineage_tags(params)["data_hash"])
     return Trainer(model, loader, load_split(prepared, "val"), cfg, CheckpointManager(p.checkpoint_dir,
-                   cfg.keep_checkpoints), fingerprint, log_metrics)
+                   cfg.keep_checkpoints), fingerprint, log_metrics, dist)
 
 
 def run(params: Params) -> None:
     p, cfg = params.paths, params.train
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    trainer = build_trainer(params, lambda metrics, step: mlflow.log_metrics(metrics, step=step))
-    resumed = trainer.resume()
+    dist = setup(cfg.backend)
+    try:
+        trainer = build_trainer(params, dist, lambda metrics, step: mlflow.log_metrics(metrics, step=step))
+        resumed = trainer.resume()
+        if dist.is_main:
+            train_and_record(params, trainer, resumed)
+        else:  # other ranks train in lockstep; the main rank alone talks to MLflow and writes files
+            trainer.fit()
+    finally:
+        dist.close()
+
+
+def train_and_record(params: Params, trainer: Trainer, resumed: int | None) -> None:
+    p = params.paths
     run_id = load_run_id(Path(p.checkpoint_dir)) if resumed else None
     with start_or_resume_run(params.registry.experiment, Path("."), run_id) as run:
         save_run_id(Path(p.checkpoint_dir), run.info.run_id)

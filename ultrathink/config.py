@@ -128,6 +128,8 @@ class TrainConfig(Section):
         5, ge=1, description="consecutive non-finite loss/gradient steps (each skipped) before the run stops")
     early_stopping_patience: int | None = Field(
         None, ge=1, description="stop after this many validations without improvement; the best model is kept")
+    backend: Literal["auto", "ddp"] = Field(
+        "auto", description="under torchrun: ddp (DistributedDataParallel); auto = ddp when WORLD_SIZE > 1")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="auto: bf16 autocast where this hardware runs it faster than fp32 (measured), else fp32")
     eval_every: int = Field(100, ge=1, description="steps between validation passes")
@@ -142,7 +144,7 @@ class TrainConfig(Section):
     # other values of these is still a valid point to resume from.
     BOOKKEEPING: ClassVar[frozenset[str]] = frozenset(
         {"eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints", "log_every", "resume", "threads",
-         "max_bad_steps"})
+         "max_bad_steps", "backend"})
 
     def resume_fingerprint(self, model: "ModelConfig", data_hash: str) -> str:
         """Identifies the training computation: resuming is allowed only into the same one."""

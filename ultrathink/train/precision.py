@@ -33,3 +33,26 @@ def resolve_precision(requested: str, device: str = "cpu") -> str:
     choice = "bf16" if bf16 > 1.2 * fp32 else "fp32"
     log.info("precision auto → %s (matmul: fp32 %.0f, bf16 %.0f GFLOP/s)", choice, fp32, bf16)
     return choice
+
+
+# Dense peak FLOP/s of known accelerators (no sparsity), by precision: the denominator of MFU on a GPU.
+GPU_PEAK_FLOPS = {
+    "H100": {"bf16": 989e12, "fp32": 494e12},  # SXM; fp32 matmuls run as TF32
+    "H200": {"bf16": 989e12, "fp32": 494e12},
+    "A100": {"bf16": 312e12, "fp32": 156e12},
+    "L4": {"bf16": 121e12, "fp32": 60e12},
+}
+
+
+@functools.lru_cache(maxsize=None)
+def peak_flops(precision: str, device: str = "cpu") -> float:
+    """FLOP/s this device can do in `precision`: a table for GPUs, a short measured matmul on a CPU."""
+    precision = resolve_precision(precision, device)
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name()
+        for key, peaks in GPU_PEAK_FLOPS.items():
+            if key in name:
+                return peaks[precision]
+        raise ValueError(f"no known peak for GPU {name!r}; add it to GPU_PEAK_FLOPS")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    return matmul_gflops(dtype, size=1024, repeats=5) * 1e9

@@ -17,9 +17,10 @@ from tqdm import tqdm
 from ultrathink.config import TrainConfig
 from ultrathink.errors import StageError
 from ultrathink.train.checkpoint import CheckpointManager
+from ultrathink.train.distributed import Distributed
 from ultrathink.train.loader import TokenWindows, eval_batches
 from ultrathink.train.optim import build_optimizers
-from ultrathink.train.precision import resolve_precision
+from ultrathink.train.precision import peak_flops, resolve_precision
 from ultrathink.train.schedule import Scheduler
 
 log = logging.getLogger(__name__)
@@ -67,17 +68,20 @@ class TrainResult:
 class Trainer:
     def __init__(self, model: torch.nn.Module, train_loader: TokenWindows, val_tokens: np.ndarray,
                  cfg: TrainConfig, checkpoints: CheckpointManager, fingerprint: str,
-                 log_metrics: MetricsSink | None = None):
+                 log_metrics: MetricsSink | None = None, dist: Distributed | None = None):
         self.model, self.loader, self.val_tokens, self.cfg = model, train_loader, val_tokens, cfg
         self.checkpoints, self.fingerprint = checkpoints, fingerprint
         self.log_metrics = log_metrics or (lambda metrics, step: None)
+        self.dist = dist or Distributed()
+        # `engine` is what trains (the model or its data-parallel wrapper); `model` is what is saved and evaluated.
+        self.engine = self.dist.wrap(model)
         self.optimizers = build_optimizers(model, cfg)
         self.scheduler = Scheduler(self.optimizers, cfg)
         self.step = 0
         self.history: list[dict[str, float]] = []
         # Guard and early-stopping counters are part of the state: a resumed run must make the same decisions.
         self.counters = {"skipped": 0, "bad_in_a_row": 0, "evals_without_gain": 0, "best_val": math.inf}
-        self.tokens_per_step = cfg.batch_size * cfg.grad_accum * train_loader.seq_len
+        self.tokens_per_step = cfg.batch_size * cfg.grad_accum * train_loader.seq_len * self.dist.world_size
 
     # ---- checkpoint state -------------------------------------------------------------------------------------
     def state(self) -> dict:
@@ -99,7 +103,9 @@ class Trainer:
         if not self.cfg.resume or latest.fingerprint != self.fingerprint:
             why = "train.resume is false" if not self.cfg.resume else "its config differs from this run's"
             log.warning("not resuming from %s: %s; starting fresh", latest.path, why)
-            self.checkpoints.clear()
+            if self.dist.is_main:
+                self.checkpoints.clear()
+            self.dist.barrier()
             return None
         state = latest.load_state()
         self.model.load_state_dict(latest.load_weights())
@@ -120,14 +126,15 @@ class Trainer:
     def train_step(self) -> tuple[float, float] | None:
         """One optimizer step over grad_accum micro-batches: (mean loss, gradient norm before clipping), or None
         when the loss or gradient is not finite — then the update is skipped and counted."""
-        self.model.train()
+        self.engine.train()
         total = 0.0
         for _ in range(self.cfg.grad_accum):
             x, y = next(self.loader)
             with autocast(self.cfg.precision):
-                _, loss = self.model(x, y)
+                _, loss = self.engine(x, y)
             (loss / self.cfg.grad_accum).backward()
             total += loss.item() / self.cfg.grad_accum
+        total = self.dist.mean(total)  # every rank sees the same loss, so all take the same skip decision
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
         if not (math.isfinite(total) and math.isfinite(grad_norm)):
@@ -153,6 +160,13 @@ class Trainer:
                 f"{self.step + 1} (train.max_bad_steps={self.cfg.max_bad_steps}); lower train.lr or check the data. "
                 f"The last good checkpoint is kept in {self.checkpoints.directory}")
 
+    def _save(self, name: str | None = None) -> None:
+        """Only the main process writes; DDP ranks hold identical weights and optimizer state (checked)."""
+        self.dist.check_replicas(self.model)
+        if self.dist.is_main:
+            self.checkpoints.save(self.step, self.fingerprint, self.model, self.state(), name=name)
+        self.dist.barrier()
+
     def validate(self) -> float:
         batches = eval_batches(self.val_tokens, self.loader.seq_len, self.cfg.batch_size, self.cfg.eval_batches)
         return mean_loss(self.model, batches, self.cfg.precision)[0]
@@ -161,7 +175,7 @@ class Trainer:
         """Keep the best checkpoint apart from the last N; True when patience has run out."""
         if val_loss < self.counters["best_val"]:
             self.counters["best_val"], self.counters["evals_without_gain"] = val_loss, 0
-            self.checkpoints.save(self.step, self.fingerprint, self.model, self.state(), name="best")
+            self._save(name="best")
             return False
         self.counters["evals_without_gain"] += 1
         patience = self.cfg.early_stopping_patience
@@ -171,7 +185,10 @@ class Trainer:
         """Train up to cfg.max_steps from the current step (call resume() first to continue a checkpoint)."""
         cfg, first_step, stop = self.cfg, self.step, False
         started, window_start, window_steps = time.perf_counter(), time.perf_counter(), 0
-        bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step", disable=None, leave=False)
+        bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step",
+                   disable=None if self.dist.is_main else True, leave=False)
+        flops_per_token = self.model.flops_per_token()
+        peak = peak_flops(cfg.precision, self.dist.device) * self.dist.world_size
         while self.step < cfg.max_steps and not stop:
             outcome = self.train_step()
             if outcome is None:
@@ -185,16 +202,19 @@ class Trainer:
             if self.step % cfg.log_every == 0 or last:
                 elapsed = time.perf_counter() - window_start
                 record["tokens_per_second"] = window_steps * self.tokens_per_step / elapsed
+                record["mfu"] = flops_per_token * record["tokens_per_second"] / peak
                 window_start, window_steps = time.perf_counter(), 0
             if self.step % cfg.eval_every == 0 or last:
                 record["val_loss"] = self.validate()
                 stop = self._track_best(record["val_loss"])
-            self.log_metrics(record, self.step)  # every step to the tracker; the console and history less often
+            if self.dist.is_main:
+                self.log_metrics(record, self.step)  # every step to the tracker; console and history less often
             if "tokens_per_second" in record or "val_loss" in record:
                 self.history.append({"step": self.step, **record})
-                bar.write(step_line(self.step, cfg.max_steps, record))
+                if self.dist.is_main:
+                    bar.write(step_line(self.step, cfg.max_steps, record))
             if self.step % cfg.checkpoint_every == 0 or last or stop:
-                self.checkpoints.save(self.step, self.fingerprint, self.model, self.state())
+                self._save()
         bar.close()
         if stop:
             log.warning("early stop at step %d: no val gain in %d validations; keeping the best model (val %.4f)",
@@ -212,7 +232,7 @@ def step_line(step: int, total: int, r: dict[str, float]) -> str:
     """`step 100/300 loss 4.1234 ppl 61.8 lr 1.20e-03 tok/s 12,345 [val 4.3000]`"""
     line = f"step {step}/{total} loss {r['train_loss']:.4f} ppl {math.exp(min(r['train_loss'], 50)):.1f} lr {r['lr']:.2e}"
     if "tokens_per_second" in r:
-        line += f" tok/s {r['tokens_per_second']:,.0f}"
+        line += f" tok/s {r['tokens_per_second']:,.0f} mfu {r['mfu']:.1%}"
     if "val_loss" in r:
         line += f" val {r['val_loss']:.4f}"
     return line
