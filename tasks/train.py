@@ -50,6 +50,7 @@ def run(params: Params) -> None:
             train_and_record(params, trainer, resumed)
         else:  # other ranks train in lockstep; the main rank alone talks to MLflow and writes files
             trainer.fit()
+            trainer.full_weights()  # collective under FSDP: the main rank gathers the final weights
     finally:
         dist.close()
 
@@ -73,8 +74,9 @@ def train_and_record(params: Params, trainer: Trainer, resumed: int | None) -> N
                    "best_val_loss": result.best_val_loss, "skipped_steps": result.skipped_steps,
                    "stopped_early": result.stopped_early}
         mlflow.log_metrics({"train_seconds": result.seconds, "train_tokens_per_second": result.tokens_per_second})
+        weights = trainer.full_weights()
         with atomic_dir(p.model_dir) as out:
-            model.save_pretrained(out)
+            model.save_pretrained(out, weights)
             atomic_write_json(out / "history.json", result.history)
             atomic_write_json(out / "train_summary.json", summary)
             save_run_id(out, run.info.run_id)

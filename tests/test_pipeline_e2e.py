@@ -143,3 +143,16 @@ def test_prefect_flow_runs_the_dvc_stages_then_skips(tmp_path):
     second = sh([sys.executable, "-m", "flows.pipeline"], project)
     assert (second.stdout + second.stderr).count("up to date, skipped") == 6
     assert client_for(project).get_model_version_by_alias("ultrathink", "champion").version == 1
+
+
+def test_prefect_deploy_accepts_the_nightly_deployment(tmp_path):
+    project = make_project(tmp_path)
+    home = {"PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env = dict(os.environ, **home, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    run = lambda *args: subprocess.run(["prefect", *args], cwd=project, env=env, capture_output=True, text=True)
+    assert run("work-pool", "create", "ultrathink-local", "--type", "process").returncode == 0
+    deployed = run("--no-prompt", "deploy", "--all")
+    assert deployed.returncode == 0, deployed.stdout[-2000:] + deployed.stderr[-2000:]
+    assert "ultrathink-pipeline/nightly-retrain" in deployed.stdout and "successfully created" in deployed.stdout
+    shown = run("deployment", "inspect", "ultrathink-pipeline/nightly-retrain")
+    assert "0 2 * * *" in shown.stdout

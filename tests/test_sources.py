@@ -64,9 +64,10 @@ def test_missing_file_names_the_path(tmp_path):
 
 
 def test_unsupported_extension_lists_supported(tmp_path):
-    (tmp_path / "c.csv").write_text("text\na\n")
-    with pytest.raises(CorpusError, match=r"unsupported corpus format '\.csv'; supported: \.txt, \.json, \.jsonl, \.parquet"):
-        load_corpus(DataConfig(source="c.csv"), root=tmp_path)
+    (tmp_path / "c.xml").write_text("<text>a</text>\n")
+    with pytest.raises(CorpusError, match=r"c\.xml: unsupported corpus format '\.xml'; "
+                       r"supported: \.txt, \.json, \.jsonl, \.parquet, \.csv"):
+        load_corpus(DataConfig(source="c.xml"), root=tmp_path)
 
 
 def test_unknown_text_column_lists_existing_columns(tmp_path):

@@ -65,6 +65,22 @@ def run() -> None:
     print("done: see `make ui` (MLflow UI), `dvc metrics show`, reports/promotion.json")
 
 
+@app.command("eval")
+def eval_text(model: str = typer.Option(..., "--model", "-m", help="model dir (artifacts/model) or MLflow URI "
+                                        "(models:/ultrathink@champion)"),
+              text_file: Path = typer.Option(..., "--text-file", "-f", help="UTF-8 text to score")) -> None:
+    """Loss and bits per byte of a text file under a model and its own tokenizer."""
+    from ultrathink.text_eval import evaluate_text_file
+
+    try:
+        score = evaluate_text_file(model, text_file)
+    except StageError as exc:
+        err.print(f"[bold red]eval failed:[/] {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    print(f"loss {score.loss:.4f} nats/token  bits/byte {score.bits_per_byte:.4f}  perplexity {score.perplexity:.2f}"
+          f"  ({score.tokens:,} tokens, {score.bytes:,} bytes)")
+
+
 @app.command("params")
 def list_params() -> None:
     """Every knob of params.yaml with its type, default and meaning."""

@@ -39,15 +39,47 @@ class PathsConfig(Section):
     promotion: str = "reports/promotion.json"
 
 
+class MixtureSource(Section):
+    """One component of `data.mixture`; unset keys take the value of the same key under `data`."""
+
+    source: str = Field(..., min_length=1, description="a source, as for data.source")
+    weight: float = Field(..., gt=0, description="relative share of the mixture's documents")
+    text_column: str | None = Field(None, min_length=1, description="default: data.text_column")
+    hf_config: str | None = Field(None, description="default: none")
+    split: str | None = Field(None, min_length=1, description="default: data.split")
+
+
 class DataConfig(Section):
     source: str = Field(
         "embedded",
-        description="'embedded' (the Python language reference shipped with CPython) or a path to a "
-        ".txt, .json, .jsonl or .parquet file",
+        description="'embedded' (the Python language reference shipped with CPython), 'hf:NAME' (a Hugging Face "
+        "dataset, from the local cache when offline), a directory written by save_to_disk, or a file or glob of "
+        ".txt, .json, .jsonl, .parquet or .csv files (relative to the project root)",
     )
-    text_column: str = Field("text", min_length=1, description="column holding the text in json/jsonl/parquet files")
-    max_samples: int | None = Field(None, gt=0, description="keep only the first N documents")
+    text_column: str = Field("text", min_length=1, description="column holding the text in dataset sources")
+    hf_config: str | None = Field(None, description="hub dataset configuration (hf: sources)")
+    split: str = Field("train", min_length=1, description="split of a hf: source or of a saved DatasetDict")
+    streaming: bool = Field(
+        False, description="read hub, json/jsonl/parquet/csv and save_to_disk sources lazily as an IterableDataset "
+        "(datasets' streaming mode: no Arrow cache, max_samples stops reading early)")
+    mixture: list[MixtureSource] = Field(
+        default_factory=list, description="weighted mixture of sources, e.g. [{source: a.jsonl, weight: 3}, "
+        "{source: embedded, weight: 1}]; when set, data.source is not read")
+    seed: int = Field(0, description="seed of the mixture's document order")
+    max_samples: int | None = Field(
+        None, gt=0, description="keep only N documents: the first ones of a source, a weighted draw of a mixture")
+    normalize: Literal["none", "NFC", "NFKC"] = Field("NFC", description="Unicode normalization while cleaning")
+    min_chars: int = Field(1, ge=0, description="cleaning drops documents shorter than this (characters)")
+    max_chars: int = Field(100_000, ge=1, description="cleaning drops documents longer than this (characters)")
+    min_printable_ratio: float = Field(
+        0.95, ge=0, le=1, description="cleaning drops documents with a lower share of printable characters")
     dedup: bool = Field(True, description="drop exact duplicate documents after the validation gate")
+
+    @model_validator(mode="after")
+    def _clean_bounds_ordered(self) -> "DataConfig":
+        if self.min_chars > self.max_chars:
+            raise ValueError(f"min_chars ({self.min_chars}) must not exceed max_chars ({self.max_chars})")
+        return self
 
 
 class ValidateConfig(Section):
@@ -74,6 +106,18 @@ class TokenizerConfig(Section):
 class PrepareConfig(Section):
     val_fraction: float = Field(0.1, gt=0, lt=1, description="share of documents held out for validation")
     batch_size: int = Field(1000, ge=1, description="documents tokenized per batch")
+    split: Literal["hash", "tail"] = Field(
+        "hash", description="hash: a document's split follows from a hash of its text; tail: the last val_fraction "
+        "of the corpus (by characters, cut at a line start inside the straddling document) is val")
+    workers: int | None = Field(None, ge=1, description="tokenizer processes (default: all cores; 1: in-process)")
+    report_dir: str = Field("reports/prepare", min_length=1,
+                            description="token-level checks of the packed files: token_report.json and .html")
+
+
+class ConstitutionConfig(Section):
+    path: str | None = Field(
+        "constitution.yaml", description="YAML file of principles (detectors + redact/drop/flag action) applied "
+        "while cleaning and checked on the cleaned corpus; null: none")
 
 
 class ModelConfig(Section):
@@ -128,8 +172,8 @@ class TrainConfig(Section):
         5, ge=1, description="consecutive non-finite loss/gradient steps (each skipped) before the run stops")
     early_stopping_patience: int | None = Field(
         None, ge=1, description="stop after this many validations without improvement; the best model is kept")
-    backend: Literal["auto", "ddp"] = Field(
-        "auto", description="under torchrun: ddp (DistributedDataParallel); auto = ddp when WORLD_SIZE > 1")
+    backend: Literal["auto", "ddp", "fsdp"] = Field(
+        "auto", description="under torchrun: ddp (DistributedDataParallel) or fsdp (FSDP2 fully_shard); auto = ddp")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="auto: bf16 autocast where this hardware runs it faster than fp32 (measured), else fp32")
     eval_every: int = Field(100, ge=1, description="steps between validation passes")
@@ -144,7 +188,7 @@ class TrainConfig(Section):
     # other values of these is still a valid point to resume from.
     BOOKKEEPING: ClassVar[frozenset[str]] = frozenset(
         {"eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints", "log_every", "resume", "threads",
-         "max_bad_steps", "backend"})
+         "max_bad_steps"})
 
     def resume_fingerprint(self, model: "ModelConfig", data_hash: str) -> str:
         """Identifies the training computation: resuming is allowed only into the same one."""
@@ -181,6 +225,7 @@ class Params(Section):
     validate_: ValidateConfig = Field(ValidateConfig(), alias="validate")
     tokenizer: TokenizerConfig = TokenizerConfig()
     prepare: PrepareConfig = PrepareConfig()
+    constitution: ConstitutionConfig = ConstitutionConfig()
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()

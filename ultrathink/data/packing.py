@@ -1,58 +1,137 @@
 """Tokenized train/val splits as flat token files that the trainer memory-maps.
 
-Every document is encoded without special tokens and followed by one EOS id; documents are concatenated. A document's
-split follows from a hash of its text alone, so it does not depend on order, seed or machine, and copies of one text
-always land in the same split (no train/val leakage through duplicates).
+Every document is encoded without special tokens and followed by one EOS id; documents are concatenated. Two ways to
+choose the split (`prepare.split`):
+  hash  a document's split follows from a hash of its text alone, so it does not depend on order, seed or machine,
+        and copies of one text always land in the same split (no train/val leakage through duplicates);
+  tail  the last `val_fraction` of the corpus, by characters, is val: the document that straddles the cut is split
+        at a line start (so a single-document corpus gives its beginning to train and its end to val).
+
+Memory stays bounded whatever the corpus size: the corpus is read line by line, tokenized in batches by a pool of
+processes (a bounded number of batches in flight), and the token files are written batch by batch. Documents longer
+than `_MAX_PIECE_CHARS` are encoded in pieces cut where byte-level BPE cannot merge across (a line start), so the ids
+are those of the whole document.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack
-from itertools import chain
+from dataclasses import dataclass, field
+from multiprocessing import get_all_start_methods, get_context
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from ultrathink.config import PrepareConfig
+from ultrathink.data.token_checks import check_token_files
 from ultrathink.io import atomic_dir
 from ultrathink.tokenizer import load_tokenizer
 
 SPLITS = ("train", "val")
 META_FILE = "meta.json"
+_MAX_PIECE_CHARS = 1 << 20  # longer documents are encoded piece by piece (ids unchanged; see _pieces)
+_BATCH_CHARS = 4 << 20  # a batch also ends after this many characters, so a few huge documents stay bounded
 
 
-def prepare_splits(corpus_jsonl: Path, tokenizer_dir: Path, cfg: PrepareConfig, out_dir: Path) -> dict:
+@dataclass
+class SplitPlan:
+    """Where each document goes. hash: `in_val` has one flag per document. tail: document `cut_document` is cut at
+    character `cut_offset`; documents before it (and its head) are train, the rest val."""
+
+    split: str
+    documents: int
+    in_val: np.ndarray | None = None
+    moved_last_document_to: str | None = None
+    cut_document: int | None = None
+    cut_offset: int | None = None
+
+    def pieces(self, number: int, text: str) -> Iterator[tuple[str, bool]]:
+        """(text, is_val) for the parts of document `number` (one part, or two for the cut document)."""
+        if self.split == "hash":
+            yield text, bool(self.in_val[number])
+        elif number != self.cut_document:
+            yield text, number > self.cut_document
+        else:
+            if self.cut_offset > 0:
+                yield text[: self.cut_offset], False
+            yield text[self.cut_offset :], True
+
+    def describe(self) -> dict:
+        if self.split == "hash":
+            return {"split": "hash", "moved_last_document_to": self.moved_last_document_to}
+        return {"split": "tail", "cut_document": self.cut_document, "cut_offset": self.cut_offset}
+
+
+@dataclass
+class _Batch:
+    """Text pieces to encode; `ends[i]` says whether piece i ends its document (gets an EOS, counts as one)."""
+
+    texts: list[str] = field(default_factory=list)
+    in_val: list[bool] = field(default_factory=list)
+    ends: list[bool] = field(default_factory=list)
+    chars: int = 0
+
+
+def prepare_splits(corpus_jsonl: Path, tokenizer_dir: Path, cfg: PrepareConfig, out_dir: Path,
+                   report_dir: Path | None = None) -> dict:
     """Write train.bin, val.bin and meta.json into `out_dir` (replaced as a whole at the end); return the meta.
 
-    meta.json: dtype, vocab_size, eos_id, val_fraction, moved_last_document_to (the split that received the last
-    document because hashing left it empty, else None), and per split: tokens, bytes (UTF-8 bytes of the documents'
-    text, the bits-per-byte denominator) and documents.
+    meta.json: dtype, vocab_size, eos_id, val_fraction, split (hash|tail) with moved_last_document_to (hash: the
+    split that received the last document because hashing left it empty, else None) or cut_document/cut_offset
+    (tail), and per split: tokens, bytes (UTF-8 bytes of the documents' text, the bits-per-byte denominator) and
+    documents. The token files are checked before they replace `out_dir` (ids < vocab, no empty documents, no
+    document in both splits); the check's report goes to `report_dir` when given, and a failed check raises
+    TokenCheckError, leaving `out_dir` untouched.
     """
     corpus_jsonl, out_dir = Path(corpus_jsonl), Path(out_dir)
     tokenizer = load_tokenizer(tokenizer_dir)
     dtype = np.dtype(np.uint16 if len(tokenizer) <= 65535 else np.uint32)
-    in_val, moved = _assign_splits(corpus_jsonl, cfg.val_fraction)
+    plan = plan_splits(corpus_jsonl, cfg)
     stats = {split: {"tokens": 0, "bytes": 0, "documents": 0} for split in SPLITS}
-    with atomic_dir(out_dir) as tmp, ExitStack() as files:
-        outputs = {split: files.enter_context(open(tmp / f"{split}.bin", "wb")) for split in SPLITS}
-        start = 0
-        for texts in _batches(_read_texts(corpus_jsonl), cfg.batch_size):
-            ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-            flags = in_val[start : start + len(texts)]
-            for split in SPLITS:
-                chosen = [(t, i) for t, i, v in zip(texts, ids, flags) if v == (split == "val")]
-                _append(outputs[split], stats[split], chosen, tokenizer.eos_token_id, dtype)
-            start += len(texts)
-        files.close()  # flush before meta.json marks the output complete
-        meta = {
-            "dtype": dtype.name, "vocab_size": len(tokenizer), "eos_id": tokenizer.eos_token_id,
-            "val_fraction": cfg.val_fraction, "moved_last_document_to": moved, **stats,
-        }
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    with atomic_dir(out_dir) as tmp:
+        _write_token_files(corpus_jsonl, plan, cfg, Path(tokenizer_dir), tmp, dtype, stats)
+        meta = {"dtype": dtype.name, "vocab_size": len(tokenizer), "eos_id": tokenizer.eos_token_id,
+                "val_fraction": cfg.val_fraction, **plan.describe(), **stats}
+        check_token_files(tmp, meta, tokenizer, report_dir)
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")  # last: marks the output complete
     return meta
+
+
+def plan_splits(corpus_jsonl: Path, cfg: PrepareConfig) -> SplitPlan:
+    """First pass over the corpus: decide every document's split (hash: a flag each; tail: where to cut)."""
+    if cfg.split == "hash":
+        in_val = np.fromiter((split_fraction(t) < cfg.val_fraction for t in read_texts(corpus_jsonl)), dtype=bool)
+        _need_two(corpus_jsonl, len(in_val))
+        plan = SplitPlan("hash", len(in_val), in_val=in_val)
+        if in_val.all() or not in_val.any():
+            plan.moved_last_document_to = "train" if in_val[-1] else "val"
+            in_val[-1] = not in_val[-1]
+        return plan
+    lengths = np.fromiter((len(t) for t in read_texts(corpus_jsonl)), dtype=np.int64)
+    if lengths.sum() < 2:
+        raise ValueError(f"{corpus_jsonl}: {lengths.sum()} character(s); train and val need at least one each")
+    target = int(lengths.sum() * (1 - cfg.val_fraction)) or 1  # characters that go to train
+    ends = np.cumsum(lengths)
+    cut_document = int(np.searchsorted(ends, target))  # the document holding character number `target`
+    offset = target - int(ends[cut_document] - lengths[cut_document])
+    text = next(t for i, t in enumerate(read_texts(corpus_jsonl)) if i == cut_document)
+    line_start = text.rfind("\n", 0, offset) + 1  # cut at a line start when the document has one before the cut
+    return SplitPlan("tail", len(lengths), cut_document=cut_document, cut_offset=line_start or offset)
+
+
+def training_texts(corpus_jsonl: Path, cfg: PrepareConfig) -> Iterator[str]:
+    """The text that prepare puts in the train split (whole documents or the head of the cut one): what the
+    tokenizer may learn from, so validation text stays unseen."""
+    plan = plan_splits(Path(corpus_jsonl), cfg)
+    for number, text in enumerate(read_texts(corpus_jsonl)):
+        yield from (piece for piece, is_val in plan.pieces(number, text) if not is_val)
 
 
 def read_meta(prepared_dir: Path) -> dict:
@@ -81,27 +160,18 @@ def split_fraction(text: str) -> float:
     return int.from_bytes(digest, "big") / 2**64
 
 
-def _assign_splits(corpus_jsonl: Path, val_fraction: float) -> tuple[np.ndarray, str | None]:
-    """One flag per document (True: val), and which split got the last document if hashing left one empty."""
-    in_val = np.fromiter((split_fraction(t) < val_fraction for t in _read_texts(corpus_jsonl)), dtype=bool)
-    if len(in_val) < 2:
-        raise ValueError(f"{corpus_jsonl}: {len(in_val)} document(s); train and val need at least one each")
-    if in_val.all() or not in_val.any():
-        moved = "train" if in_val[-1] else "val"
-        in_val[-1] = not in_val[-1]
-        return in_val, moved
-    return in_val, None
-
-
-def _read_texts(corpus_jsonl: Path) -> Iterator[str]:
-    """The "text" of each JSON line, streamed; blank lines are skipped, anything else malformed is an error."""
-    with open(corpus_jsonl, encoding="utf-8") as lines:
+def read_texts(corpus_jsonl: Path, progress=None) -> Iterator[str]:
+    """The "text" of each JSON line, streamed; blank lines are skipped, anything else malformed is an error.
+    `progress` (a tqdm bar), when given, advances by the bytes read."""
+    with open(corpus_jsonl, "rb") as lines:
         for number, line in enumerate(lines, start=1):
+            if progress is not None:
+                progress.update(len(line))
             if not line.strip():
                 continue
             try:
                 text = json.loads(line).get("text")
-            except (json.JSONDecodeError, AttributeError) as exc:
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
                 raise ValueError(f"{corpus_jsonl}:{number}: not a JSON object: {exc}") from None
             if not isinstance(text, str):
                 got = "null or no 'text' key" if text is None else type(text).__name__
@@ -109,22 +179,112 @@ def _read_texts(corpus_jsonl: Path) -> Iterator[str]:
             yield text
 
 
-def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
-    """Consecutive lists of up to `size` texts, so only one batch of tokens is ever held in memory."""
-    batch: list[str] = []
-    for text in texts:
-        batch.append(text)
-        if len(batch) == size:
+def _need_two(corpus_jsonl: Path, n: int) -> None:
+    if n < 2:
+        raise ValueError(f"{corpus_jsonl}: {n} document(s); train and val need at least one each")
+
+
+# ---- the streaming writer ----------------------------------------------------------------------------------------
+
+def _write_token_files(corpus_jsonl: Path, plan: SplitPlan, cfg: PrepareConfig, tokenizer_dir: Path, out: Path,
+                       dtype: np.dtype, stats: dict) -> None:
+    """Second pass: encode batches in worker processes, in order, appending each split's ids to its file."""
+    workers = cfg.workers or os.cpu_count() or 1
+    with ExitStack() as stack:
+        files = {split: stack.enter_context(open(out / f"{split}.bin", "wb")) for split in SPLITS}
+        bar = stack.enter_context(tqdm(total=corpus_jsonl.stat().st_size, unit="B", unit_scale=True,
+                                       desc="prepare", disable=None))
+        batches = _batches(corpus_jsonl, plan, cfg.batch_size, bar)
+        for encoded in _encode_in_order(batches, tokenizer_dir, dtype, workers, stack):
+            for split, (ids, counts) in zip(SPLITS, encoded):
+                files[split].write(ids.tobytes())
+                for key, value in counts.items():
+                    stats[split][key] += value
+
+
+def _batches(corpus_jsonl: Path, plan: SplitPlan, size: int, progress) -> Iterator[_Batch]:
+    """Consecutive batches of at most `size` documents and about `_BATCH_CHARS` characters."""
+    batch, documents = _Batch(), 0
+    for number, text in enumerate(read_texts(corpus_jsonl, progress)):
+        for part, is_val in plan.pieces(number, text):
+            pieces = _pieces(part, _MAX_PIECE_CHARS)
+            for i, piece in enumerate(pieces):
+                batch.texts.append(piece)
+                batch.in_val.append(is_val)
+                batch.ends.append(i == len(pieces) - 1)
+                batch.chars += len(piece)
+        documents += 1
+        if documents == size or batch.chars >= _BATCH_CHARS:
             yield batch
-            batch = []
-    if batch:
+            batch, documents = _Batch(), 0
+    if batch.texts:
         yield batch
 
 
-def _append(out, stats: dict, docs: list[tuple[str, list[int]]], eos_id: int, dtype: np.dtype) -> None:
-    """Write the documents' ids, each followed by EOS, to `out`, and count tokens, bytes and documents."""
-    tokens = np.fromiter(chain.from_iterable(ids + [eos_id] for _, ids in docs), dtype=dtype)
-    out.write(tokens.tobytes())
-    stats["tokens"] += len(tokens)
-    stats["bytes"] += sum(len(text.encode("utf-8")) for text, _ in docs)
-    stats["documents"] += len(docs)
+def _pieces(text: str, max_chars: int) -> list[str]:
+    """`text` cut into pieces of about `max_chars` at line starts followed by a non-space character. Byte-level BPE
+    pre-tokenization always ends a pre-token after such a newline (only whitespace runs take a newline, and the
+    next character is not whitespace), and merges never cross pre-tokens: encoding the pieces one by one gives
+    exactly the ids of the whole text. A text without such a cut point stays whole."""
+    pieces, start = [], 0
+    while len(text) - start > max_chars:
+        cut = start + max_chars
+        while cut < len(text) and not (text[cut - 1] == "\n" and not text[cut].isspace()):
+            cut = text.find("\n", cut) + 1 or len(text)
+        if cut >= len(text):
+            break
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
+def _encode_in_order(batches: Iterator[_Batch], tokenizer_dir: Path, dtype: np.dtype, workers: int,
+                     stack: ExitStack) -> Iterator[tuple]:
+    """Encoded batches in input order. With several workers, a process pool with at most 2 batches per worker in
+    flight (Pool.imap would read the whole corpus ahead into its queue); with one, in this process."""
+    if workers == 1:
+        _init_worker(tokenizer_dir, dtype)
+        yield from map(_encode_batch, batches)
+        return
+    # fork: workers start at once with the modules already imported; spawn where fork does not exist.
+    context = get_context("fork" if "fork" in get_all_start_methods() else "spawn")
+    pool = stack.enter_context(ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
+                                                   initargs=(tokenizer_dir, dtype)))
+    pending: deque = deque()
+    for batch in batches:
+        pending.append(pool.submit(_encode_batch, batch))
+        if len(pending) >= 2 * workers:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+_worker: dict = {}  # per process: the backend tokenizer, EOS id and dtype, set once by _init_worker
+
+
+def _init_worker(tokenizer_dir: Path, dtype: np.dtype) -> None:
+    tokenizer = load_tokenizer(tokenizer_dir)
+    # The backend encodes exactly as the transformers wrapper does (no added special tokens, literal special-token
+    # text kept as text) without building a BatchEncoding per call.
+    _worker.update(backend=tokenizer.backend_tokenizer, eos=tokenizer.eos_token_id, dtype=dtype)
+
+
+def _encode_batch(batch: _Batch) -> tuple:
+    """((train ids, counts), (val ids, counts)): each piece's ids, EOS after a document's last piece."""
+    encodings = _worker["backend"].encode_batch_fast(batch.texts, add_special_tokens=False)
+    out = []
+    for split_is_val in (False, True):
+        ids: list[int] = []
+        counts = {"tokens": 0, "bytes": 0, "documents": 0}
+        for text, encoding, is_val, ends in zip(batch.texts, encodings, batch.in_val, batch.ends):
+            if is_val != split_is_val:
+                continue
+            ids += encoding.ids
+            if ends:
+                ids.append(_worker["eos"])
+                counts["documents"] += 1
+            counts["bytes"] += len(text.encode("utf-8"))
+        counts["tokens"] = len(ids)
+        out.append((np.array(ids, dtype=_worker["dtype"]), counts))
+    return tuple(out)

@@ -1,41 +1,77 @@
-"""Where the raw corpus comes from: one DataFrame with a single "text" column, whatever the source.
+"""Where the raw corpus comes from: one DataFrame with a "text" column, whatever the source.
+
+A source is one string (`data.source` or a `data.mixture` entry's `source`):
+  embedded              the Python language reference shipped with CPython (no download)
+  hf:NAME               a Hugging Face dataset: `datasets.load_dataset(NAME, data.hf_config, split=data.split)`;
+                        offline, it must already be in the local Hugging Face cache
+  a directory           a dataset saved with `save_to_disk` (read with `load_from_disk`)
+  a file or a glob      .txt (blank-line separated paragraphs), .json, .jsonl, .parquet or .csv; paths are relative
+                        to the project root; a glob's files are read in sorted order and must share one format
+`data.streaming` reads datasets-backed sources (hub, json/jsonl/parquet/csv, save_to_disk) as an IterableDataset:
+rows are read lazily, no Arrow cache is written, and `max_samples` stops reading early.
 
 Nothing is cleaned or dropped here (null texts stay None) so that validation sees the data exactly as it is.
 """
 
 from __future__ import annotations
 
+import glob
 import re
 import tempfile
+from contextlib import ExitStack
+from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from ultrathink.config import DataConfig
 from ultrathink.errors import StageError
 
 TEXT = "text"
+SOURCE = "source"  # mixtures only: which component each document came from
 EMBEDDED = "embedded"
-DATASET_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+HUB_PREFIX = "hf:"
+DATASET_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 SUPPORTED_SUFFIXES = (".txt", *DATASET_BUILDERS)
+SAVED_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # written by save_to_disk
 _STRING_TYPES = {"string", "large_string", "null"}  # "null": a column with no value at all, left to validation
 _BLANK_LINE = re.compile(r"\n\s*\n")
+_GLOB_CHARS = re.compile(r"[*?\[]")
 
 
 class CorpusError(StageError, ValueError):
     """The corpus source cannot be read; the message names the file and, where relevant, the column."""
 
 
+@dataclass(frozen=True)
+class SourceSpec:
+    """One source to read: what `data.*` says for a single source, or one mixture entry with its defaults filled."""
+
+    source: str
+    text_column: str = TEXT
+    hf_config: str | None = None
+    split: str = "train"
+    streaming: bool = False
+
+
 def load_corpus(cfg: DataConfig, root: Path = Path(".")) -> pd.DataFrame:
-    """The corpus as a DataFrame with one object-dtype "text" column, first `cfg.max_samples` rows only."""
-    if cfg.source == EMBEDDED:
-        texts = embedded_paragraphs()
-    else:
-        texts = _read_file(Path(root) / cfg.source, cfg.text_column)
-    if cfg.max_samples is not None:
-        texts = texts[: cfg.max_samples]
-    # Explicit object dtype: pandas' default string dtype would turn None into NaN.
-    return pd.DataFrame({TEXT: pd.Series(texts, dtype=object)})
+    """The corpus as a DataFrame with one object-dtype "text" column (plus "source" for a mixture), at most
+    `cfg.max_samples` rows: the first ones of a single source, a seeded weighted draw for a mixture."""
+    if cfg.mixture:
+        return _load_mixture(cfg, Path(root))
+    spec = SourceSpec(cfg.source, cfg.text_column, cfg.hf_config, cfg.split, cfg.streaming)
+    return _frame(read_source(spec, Path(root), cfg.max_samples))
+
+
+def read_source(spec: SourceSpec, root: Path, limit: int | None = None) -> list[str | None]:
+    """The first `limit` texts (all when None) of one source, in the source's own order."""
+    if spec.source == EMBEDDED:
+        return embedded_paragraphs()[:limit]
+    if spec.source.startswith(HUB_PREFIX):
+        return _read_hub(spec, limit)
+    return _read_local(spec, root, limit)
 
 
 def split_paragraphs(text: str) -> list[str]:
@@ -50,19 +86,93 @@ def embedded_paragraphs() -> list[str]:
     return [p for name in sorted(topics) for p in split_paragraphs(topics[name])]
 
 
-def _read_file(path: Path, text_column: str) -> list[str | None]:
-    """Dispatch on the file suffix; a missing file or an unknown format fails before any parsing."""
-    if not path.is_file():
+def _frame(texts: list[str | None], sources: list[str] | None = None) -> pd.DataFrame:
+    # Explicit object dtype: pandas' default string dtype would turn None into NaN.
+    columns = {TEXT: pd.Series(texts, dtype=object)}
+    if sources is not None:
+        columns[SOURCE] = pd.Series(sources, dtype=object)
+    return pd.DataFrame(columns)
+
+
+# ---- mixtures ---------------------------------------------------------------------------------------------------
+
+def _load_mixture(cfg: DataConfig, root: Path) -> pd.DataFrame:
+    """Weighted mixture without repeats: each component gives its first n_i documents, n_i ∝ weight, and the
+    documents are interleaved in an order drawn from `cfg.seed`.
+
+    With `max_samples` N, n_i = round(N·w_i/Σw) and a component with fewer documents is an error. Without it the
+    mixture is as large as the scarcest component allows (relative to its weight), so no document repeats.
+    """
+    specs = [SourceSpec(m.source, m.text_column or cfg.text_column, m.hf_config, m.split or cfg.split,
+                        cfg.streaming) for m in cfg.mixture]
+    shares = np.array([m.weight for m in cfg.mixture], dtype=float)
+    shares /= shares.sum()
+    if cfg.max_samples is not None:
+        counts = np.rint(shares * cfg.max_samples).astype(int)
+        texts = [read_source(spec, root, int(n)) for spec, n in zip(specs, counts)]
+        for spec, n, got in zip(specs, counts, texts):
+            if len(got) < n:
+                raise CorpusError(f"data.mixture: source {spec.source!r} has {len(got)} documents; its weight asks "
+                                  f"for {n} of data.max_samples={cfg.max_samples}")
+    else:
+        texts = [read_source(spec, root) for spec in specs]
+        total = min(len(t) / s for t, s in zip(texts, shares))
+        counts = np.floor(shares * total + 1e-9).astype(int)
+    labels = np.repeat(np.arange(len(specs)), counts)
+    np.random.default_rng(cfg.seed).shuffle(labels)
+    taken = [iter(t) for t in texts]
+    return _frame([next(taken[i]) for i in labels], [specs[i].source for i in labels])
+
+
+# ---- Hugging Face hub -------------------------------------------------------------------------------------------
+
+def _read_hub(spec: SourceSpec, limit: int | None) -> list[str | None]:
+    """A hub dataset by name through `datasets.load_dataset`, from the local Hugging Face cache when offline."""
+    import datasets
+
+    name = spec.source.removeprefix(HUB_PREFIX)
+    datasets.disable_progress_bars()
+    try:
+        ds = datasets.load_dataset(name, spec.hf_config, split=spec.split, streaming=spec.streaming)
+    except ConnectionError as exc:  # what `datasets` raises in offline mode for anything not cached
+        raise CorpusError(
+            f"{spec.source}: cannot be reached: this machine is offline and the dataset is not in the local Hugging "
+            f"Face cache ({exc}). Where there is network, run `datasets.load_dataset({name!r}, "
+            f"{spec.hf_config!r}, split={spec.split!r}).save_to_disk('data/raw/NAME')` and set data.source to "
+            "that directory, or export it to .jsonl/.parquet files under data/raw/") from None
+    except Exception as exc:  # unknown config or split, broken files: `datasets` raises many types
+        raise CorpusError(f"{spec.source}: cannot be loaded (config {spec.hf_config!r}, split {spec.split!r}): "
+                          f"{exc}") from exc
+    return _column_texts(ds, spec.text_column, spec.source, limit)
+
+
+# ---- local files, globs and save_to_disk directories ------------------------------------------------------------
+
+def _read_local(spec: SourceSpec, root: Path, limit: int | None) -> list[str | None]:
+    path = root / spec.source
+    if _GLOB_CHARS.search(spec.source):
+        files = [Path(f) for f in sorted(glob.glob(str(path), recursive=True)) if Path(f).is_file()]
+        if not files:
+            raise CorpusError(f"no corpus files match {path}")
+    elif path.is_dir():
+        return _read_saved(spec, path, limit)
+    elif path.is_file():
+        files = [path]
+    else:
         raise CorpusError(f"corpus file not found: {path}")
-    suffix = path.suffix.lower()
+    suffixes = sorted({f.suffix.lower() for f in files})
+    if len(suffixes) > 1:
+        raise CorpusError(f"{path}: matches files of several formats ({', '.join(suffixes)}); use one glob per "
+                          "format in data.mixture")
+    suffix = suffixes[0]
     if suffix == ".txt":
-        return _read_txt(path)
+        return list(islice((p for f in files for p in _read_txt(f)), limit))
     if suffix in DATASET_BUILDERS:
-        return _read_dataset(path, DATASET_BUILDERS[suffix], text_column)
-    raise CorpusError(f"{path}: unsupported corpus format {suffix!r}; supported: {', '.join(SUPPORTED_SUFFIXES)}")
+        return _read_files(files, DATASET_BUILDERS[suffix], spec, limit)
+    raise CorpusError(f"{files[0]}: unsupported corpus format {suffix!r}; supported: {', '.join(SUPPORTED_SUFFIXES)}")
 
 
-def _read_txt(path: Path) -> list[str | None]:
+def _read_txt(path: Path) -> list[str]:
     """A plain UTF-8 text file, split into paragraphs the same way as the embedded corpus."""
     try:
         return split_paragraphs(path.read_text(encoding="utf-8"))
@@ -70,21 +180,65 @@ def _read_txt(path: Path) -> list[str | None]:
         raise CorpusError(f"{path}: not valid UTF-8 at byte {exc.start}: {exc.reason}") from None
 
 
-def _read_dataset(path: Path, builder: str, text_column: str) -> list[str | None]:
-    """JSON, JSON Lines or Parquet through `datasets`, its Arrow cache in a temp dir so the project stays clean."""
+def _read_files(files: list[Path], builder: str, spec: SourceSpec, limit: int | None) -> list[str | None]:
+    """JSON, JSON Lines, Parquet or CSV through `datasets`, any Arrow cache in a temp dir so the project stays clean."""
     import datasets
 
     datasets.disable_progress_bars()
-    with tempfile.TemporaryDirectory(prefix="ultrathink-datasets-") as cache_dir:
+    where = str(files[0]) if len(files) == 1 else f"{files[0].parent}/{{{', '.join(f.name for f in files)}}}"
+    with ExitStack() as stack:
+        cache_dir = None if spec.streaming else stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="ultrathink-datasets-"))
         try:
-            ds = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir)
+            ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
+                                       cache_dir=cache_dir, streaming=spec.streaming)
+            # Copied into Python objects before the cache that backs the Arrow table is deleted.
+            return _column_texts(ds, spec.text_column, where, limit)
+        except CorpusError:
+            raise
         except Exception as exc:  # the builders raise many types; all mean "this file cannot be parsed"
-            raise CorpusError(f"{path}: cannot be read as {builder}: {exc}") from exc
-        if text_column not in ds.column_names:
-            raise CorpusError(
-                f"{path}: no column {text_column!r} (data.text_column); columns: {', '.join(ds.column_names)}")
-        feature = ds.features[text_column]
-        if getattr(feature, "dtype", None) not in _STRING_TYPES:
-            raise CorpusError(f"{path}: column {text_column!r} holds {feature}, expected strings")
-        # Copy into Python objects (None for nulls) before the cache that backs the Arrow table is deleted.
-        return list(ds[text_column])
+            raise CorpusError(f"{where}: cannot be read as {builder}: {exc}") from exc
+
+
+def _read_saved(spec: SourceSpec, path: Path, limit: int | None) -> list[str | None]:
+    """A Dataset or DatasetDict written by `save_to_disk`; `split` picks the DatasetDict's member."""
+    import datasets
+
+    if not any((path / marker).is_file() for marker in SAVED_DATASET_MARKERS):
+        raise CorpusError(f"{path}: a directory, but not a dataset saved with save_to_disk (no "
+                          f"{' or '.join(SAVED_DATASET_MARKERS)}); for files in it use a glob such as {path}/*.jsonl")
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as exc:
+        raise CorpusError(f"{path}: cannot be read with load_from_disk: {exc}") from exc
+    if isinstance(ds, datasets.DatasetDict):
+        if spec.split not in ds:
+            raise CorpusError(f"{path}: no split {spec.split!r} (data.split); splits: {', '.join(ds)}")
+        ds = ds[spec.split]
+    if spec.streaming:
+        ds = ds.to_iterable_dataset()
+    return _column_texts(ds, spec.text_column, str(path), limit)
+
+
+# ---- the text column --------------------------------------------------------------------------------------------
+
+def _column_texts(ds, column: str, where: str, limit: int | None) -> list[str | None]:
+    """The first `limit` values of `column` of a Dataset or IterableDataset, checked to be strings or null."""
+    columns = ds.column_names
+    if columns is None:  # a streamed csv/json does not know its columns until its first row is read
+        columns = list(next(iter(ds), {}))
+    if column not in columns:
+        raise CorpusError(f"{where}: no column {column!r} (data.text_column); columns: {', '.join(columns)}")
+    feature = (ds.features or {}).get(column)
+    if feature is not None and getattr(feature, "dtype", None) not in _STRING_TYPES:
+        raise CorpusError(f"{where}: column {column!r} holds {feature}, expected strings")
+    if hasattr(ds, "__len__"):  # an Arrow-backed Dataset: one column read at C speed
+        rows = ds.select(range(min(limit, len(ds)))) if limit is not None else ds
+        texts = list(rows[column])
+    else:  # an IterableDataset: read lazily, stopping after `limit` rows
+        rows = ds.select_columns([column])
+        texts = [row[column] for row in (rows.take(limit) if limit is not None else rows)]
+    for number, value in enumerate(texts):
+        if value is not None and not isinstance(value, str):
+            raise CorpusError(f"{where}: column {column!r} row {number} holds {type(value).__name__}, expected strings")
+    return texts

@@ -16,6 +16,8 @@ import pandas as pd
 from great_expectations.data_context.types.base import ProgressBarsConfig
 
 from ultrathink.config import ValidateConfig
+from ultrathink.data.cleaning import printable_ratio
+from ultrathink.data.constitution import Principle
 from ultrathink.errors import StageError
 
 TEXT = "text"
@@ -23,7 +25,6 @@ _DUPLICATE = "repeats_earlier_row"
 _PRINTABLE = "printable_ratio"
 _EXAMPLES = 3
 _EXAMPLE_CHARS = 80
-_WHITESPACE_TO_SPACE = str.maketrans("\n\t\r", "   ")  # ordinary layout characters count as printable
 
 
 @dataclass
@@ -38,6 +39,7 @@ class ValidationReport:
     success: bool
     n_rows: int
     results: list[dict]
+    title: str = "Corpus"  # what was checked: the source as loaded, or the cleaned corpus
 
     def to_dict(self) -> dict:
         """Plain JSON-serialisable data, for the stage's report file."""
@@ -46,9 +48,9 @@ class ValidationReport:
     def summary(self) -> str:
         """A few lines naming each failed expectation, how many rows failed it, and example rows."""
         if self.success:
-            return f"Corpus validation passed ({len(self.results)} expectations, {self.n_rows} rows)"
+            return f"{self.title} validation passed ({len(self.results)} expectations, {self.n_rows} rows)"
         failed = [r for r in self.results if not r["success"]]
-        lines = [f"Corpus validation FAILED ({len(failed)} of {len(self.results)} expectations, {self.n_rows} rows):"]
+        lines = [f"{self.title} validation FAILED ({len(failed)} of {len(self.results)} expectations, {self.n_rows} rows):"]
         for result in failed:
             lines.append(f" - {result['name']}: {result['message']}")
             if result["examples"]:
@@ -74,13 +76,26 @@ def validate_corpus(df: pd.DataFrame, cfg: ValidateConfig) -> ValidationReport:
     return ValidationReport(success=bool(run.success), n_rows=len(frame), results=results)
 
 
-def printable_ratio(text: str) -> float:
-    """Share of characters that are printable or \\n, \\t, \\r; 1.0 for "" (it holds nothing unprintable)."""
-    if not text:
-        return 1.0
-    if text.translate(_WHITESPACE_TO_SPACE).isprintable():  # the common case, at C speed
-        return 1.0
-    return sum(ch.isprintable() or ch in "\n\t\r" for ch in text) / len(text)
+def validate_cleaned(df: pd.DataFrame, principles: list[Principle], min_rows: int) -> ValidationReport:
+    """The gate on the cleaned corpus: per principle, the share of documents that still match it is at most its
+    max_rate; and cleaning left at least `min_rows` documents."""
+    text = _text_column(df)
+    frame = pd.DataFrame({TEXT: text, **{_violation(p.name): text.map(p.matches).gt(0) for p in principles}})
+    expectations = [
+        gxe.ExpectColumnValuesToBeInSet(column=_violation(p.name), value_set=[False], mostly=1 - p.max_rate,
+                                        meta={"name": f"constitution: {p.name}"})
+        for p in principles
+    ] + [gxe.ExpectTableRowCountToBeBetween(min_value=min_rows, meta={"name": "row count"})]
+    messages = {f"constitution: {p.name}": f"{{count}} of {{checked}} cleaned documents ({{percent:.1f}}%) still "
+                f"match principle {p.name!r} (action {p.action}); at most {p.max_rate:.1%} may" for p in principles}
+    messages["row count"] = f"{{observed}} documents left after cleaning; at least {min_rows} are needed"
+    run = _run_suite(frame, expectations)
+    results = [_result(r, frame[TEXT], messages) for r in run.results]
+    return ValidationReport(success=bool(run.success), n_rows=len(frame), results=results, title="Cleaned corpus")
+
+
+def _violation(name: str) -> str:
+    return f"violates_{name}"
 
 
 def _expectations(cfg: ValidateConfig) -> list[gxe.Expectation]:

@@ -175,10 +175,11 @@ class UltraThink(nn.Module):
         output matmul) plus 12·layers·d_model·seq_len for attention scores and values."""
         return 6 * self.num_params() + 12 * self.cfg.n_layers * self.cfg.d_model * self.cfg.seq_len
 
-    def save_pretrained(self, out_dir: str | Path) -> None:
+    def save_pretrained(self, out_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Write weights and config; `state_dict` lets a sharded (FSDP) run pass its gathered full weights."""
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        state = {k: v.detach().contiguous().cpu() for k, v in (state_dict or self.state_dict()).items()}
         save_file(state, out_dir / WEIGHTS_FILE, metadata={"format": "pt"})
         config = {"format": "ultrathink", "vocab_size": self.vocab_size, "model": self.cfg.model_dump()}
         (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))

@@ -60,15 +60,18 @@ class CheckpointManager:
     def __init__(self, directory: str | Path, keep: int):
         self.directory, self.keep = Path(directory), keep
 
-    def save(self, step: int, fingerprint: str, model, state: dict[str, Any], name: str | None = None) -> Path:
-        """Write `step_<step>/` (or `name/`, e.g. the best checkpoint, kept apart from the last N)."""
-        bad = [n for n, p in model.state_dict().items() if p.is_floating_point() and not torch.isfinite(p).all()]
+    def save(self, step: int, fingerprint: str, model, state: dict[str, Any], name: str | None = None,
+             weights: dict[str, torch.Tensor] | None = None) -> Path:
+        """Write `step_<step>/` (or `name/`, e.g. the best checkpoint, kept apart from the last N). `weights`:
+        the full state dict when the model itself holds only a shard."""
+        weights = weights if weights is not None else model.state_dict()
+        bad = [n for n, p in weights.items() if p.is_floating_point() and not torch.isfinite(p).all()]
         if bad:
             raise ValueError(f"refusing to checkpoint non-finite weights ({', '.join(bad[:3])})")
         self.directory.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".step_{step:08d}.", dir=self.directory))
         try:
-            model.save_pretrained(tmp)
+            model.save_pretrained(tmp, weights)
             torch.save(state, tmp / STATE_FILE)
             files = {p.name: sha256(p) for p in sorted(tmp.iterdir())}
             manifest = {"step": step, "fingerprint": fingerprint, "files": files}

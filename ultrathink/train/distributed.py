@@ -1,9 +1,13 @@
 """The one place where the distributed backend is chosen. The trainer sees a `Distributed` object: it wraps the
-model, says whether this process is the main one (the only one that logs and writes files), and averages numbers
-across processes. Launched by torchrun, the environment (RANK, WORLD_SIZE, ...) says how many processes there are.
+model, says whether this process is the main one (the only one that logs and writes files), moves full model and
+optimizer state in and out of checkpoints, and averages numbers across processes. Launched by torchrun, the
+environment (RANK, WORLD_SIZE, ...) says how many processes there are; each reads its own slice of every global batch.
 
-- ddp: DistributedDataParallel; gradients all-reduced after backward, so every rank holds the same model, the
-  main rank's checkpoint is everyone's, and each rank reads its own slice of every global batch.
+- ddp:  DistributedDataParallel. Gradients are all-reduced after backward, so every rank holds the same model and
+        optimizer state (checked before each checkpoint) and the main rank's state is everyone's.
+- fsdp: FSDP2 (`fully_shard`, one unit per block). Parameters, gradients and optimizer state are sharded; saving
+        gathers full weights (the same safetensors a single process writes) and a full optimizer state keyed by
+        parameter name, and loading scatters them back, so a checkpoint does not depend on the number of ranks.
 """
 
 from __future__ import annotations
@@ -15,6 +19,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+Optimizers = list[torch.optim.Optimizer]
+
+
+def _full_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 @dataclass
@@ -28,14 +40,58 @@ class Distributed:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def sharded(self) -> bool:
+        return self.backend == "fsdp"
+
     def wrap(self, model: nn.Module) -> nn.Module:
-        """The module to train: the model itself, or a data-parallel wrapper around it."""
+        """The module to train: the model itself, a DDP wrapper around it, or the model sharded in place."""
         if self.backend == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
             return DistributedDataParallel(model)
+        if self.sharded:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in model.blocks:  # one unit per block: only one block's full weights exist at a time
+                fully_shard(block)
+            return fully_shard(model)
         return model
 
+    # ---- state in and out (collective under fsdp: every rank must call) ----------------------------------------
+    def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        if not self.sharded:
+            return model.state_dict()
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(model, options=_full_options())
+
+    def load_model_state(self, model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+        if not self.sharded:
+            model.load_state_dict(weights)
+            return
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(model, weights, options=_full_options())
+
+    def optimizer_state(self, model: nn.Module, optimizers: Optimizers) -> list[dict]:
+        if not self.sharded:
+            return [opt.state_dict() for opt in optimizers]
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return [get_optimizer_state_dict(model, opt, options=_full_options()) for opt in optimizers]
+
+    def load_optimizer_state(self, model: nn.Module, optimizers: Optimizers, states: list[dict]) -> None:
+        if not self.sharded:
+            for opt, state in zip(optimizers, states):
+                opt.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        for opt, state in zip(optimizers, states):
+            set_optimizer_state_dict(model, opt, state, options=_full_options())
+
+    # ---- small collectives ---------------------------------------------------------------------------------
     def mean(self, value: float) -> float:
         """Average of a per-rank number (a loss) over all ranks."""
         if self.world_size == 1:
@@ -45,8 +101,8 @@ class Distributed:
         return tensor.item() / self.world_size
 
     def check_replicas(self, model: nn.Module) -> None:
-        """Raise if the ranks' weights differ: a checkpoint from rank 0 must stand for every rank."""
-        if self.world_size == 1:
+        """Raise if DDP ranks' weights differ: a checkpoint from rank 0 must stand for every rank."""
+        if self.backend != "ddp":
             return
         fingerprint = torch.stack([p.detach().double().sum() for p in model.parameters()]).to(self.device)
         low, high = fingerprint.clone(), fingerprint.clone()
@@ -62,6 +118,11 @@ class Distributed:
     def close(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def as_float(norm: torch.Tensor) -> float:
+    """A gradient norm as a number; under FSDP it is a DTensor whose full value needs one collective."""
+    return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
 
 
 def setup(backend: str) -> Distributed:

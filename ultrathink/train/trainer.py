@@ -17,7 +17,7 @@ from tqdm import tqdm
 from ultrathink.config import TrainConfig
 from ultrathink.errors import StageError
 from ultrathink.train.checkpoint import CheckpointManager
-from ultrathink.train.distributed import Distributed
+from ultrathink.train.distributed import Distributed, as_float
 from ultrathink.train.loader import TokenWindows, eval_batches
 from ultrathink.train.optim import build_optimizers
 from ultrathink.train.precision import peak_flops, resolve_precision
@@ -87,7 +87,7 @@ class Trainer:
     def state(self) -> dict:
         return {
             "step": self.step,
-            "optimizers": [opt.state_dict() for opt in self.optimizers],
+            "optimizers": self.dist.optimizer_state(self.model, self.optimizers),
             "scheduler": self.scheduler.state_dict(),
             "loader": self.loader.state_dict(),
             "torch_rng": torch.get_rng_state(),
@@ -108,9 +108,8 @@ class Trainer:
             self.dist.barrier()
             return None
         state = latest.load_state()
-        self.model.load_state_dict(latest.load_weights())
-        for opt, opt_state in zip(self.optimizers, state["optimizers"]):
-            opt.load_state_dict(opt_state)
+        self.dist.load_model_state(self.model, latest.load_weights())
+        self.dist.load_optimizer_state(self.model, self.optimizers, state["optimizers"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["loader"])
         torch.set_rng_state(state["torch_rng"])
@@ -136,7 +135,7 @@ class Trainer:
             total += loss.item() / self.cfg.grad_accum
         total = self.dist.mean(total)  # every rank sees the same loss, so all take the same skip decision
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
+        grad_norm = as_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
         if not (math.isfinite(total) and math.isfinite(grad_norm)):
             self._zero_grad()
             self._count_bad_step(total, grad_norm)
@@ -161,11 +160,16 @@ class Trainer:
                 f"The last good checkpoint is kept in {self.checkpoints.directory}")
 
     def _save(self, name: str | None = None) -> None:
-        """Only the main process writes; DDP ranks hold identical weights and optimizer state (checked)."""
+        """Every rank takes part in gathering the state; only the main process writes it."""
         self.dist.check_replicas(self.model)
+        weights, state = self.full_weights(), self.state()
         if self.dist.is_main:
-            self.checkpoints.save(self.step, self.fingerprint, self.model, self.state(), name=name)
+            self.checkpoints.save(self.step, self.fingerprint, self.model, state, name=name, weights=weights)
         self.dist.barrier()
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights (gathered from all ranks under FSDP; collective there)."""
+        return self.dist.model_state(self.model)
 
     def validate(self) -> float:
         batches = eval_batches(self.val_tokens, self.loader.seq_len, self.cfg.batch_size, self.cfg.eval_batches)
@@ -219,7 +223,7 @@ class Trainer:
         if stop:
             log.warning("early stop at step %d: no val gain in %d validations; keeping the best model (val %.4f)",
                         self.step, cfg.early_stopping_patience, self.counters["best_val"])
-            self.model.load_state_dict(self.checkpoints.best().load_weights())
+            self.dist.load_model_state(self.model, self.checkpoints.best().load_weights())
         seconds = time.perf_counter() - started
         trained = self.step - first_step
         best = self.counters["best_val"]

@@ -1,0 +1,112 @@
+"""prepare beyond the basics: streaming sources give the same token files, the tail split, chunked encoding of long
+documents, process-pool tokenization, and the token-level checks with their report."""
+
+import json
+
+import numpy as np
+import pytest
+
+from ultrathink.config import DataConfig, PrepareConfig, TokenizerConfig
+from ultrathink.data.packing import _pieces, load_split, prepare_splits, training_texts
+from ultrathink.data.sources import load_corpus
+from ultrathink.data.token_checks import TokenCheckError, check_token_files
+from ultrathink.tokenizer import load_tokenizer, train_tokenizer
+
+SHAKESPEARE = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n" * 3
+DOCS = [f"Document {i}: {'lorem ipsum dolor ' * (i % 5 + 1)}end {i}." for i in range(60)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tok") / "tokenizer"
+    train_tokenizer(DOCS + [SHAKESPEARE], TokenizerConfig(vocab_size=320), out)
+    return out
+
+
+def write_jsonl(path, texts):
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def test_streaming_and_eager_sources_give_identical_token_files(tmp_path, tokenizer_dir):
+    write_jsonl(tmp_path / "raw.jsonl", DOCS)
+    outputs = []
+    for streaming in (False, True):
+        texts = load_corpus(DataConfig(source="raw.jsonl", streaming=streaming), root=tmp_path)["text"].tolist()
+        corpus = write_jsonl(tmp_path / f"corpus-{streaming}.jsonl", texts)
+        out = tmp_path / f"prep-{streaming}"
+        prepare_splits(corpus, tokenizer_dir, PrepareConfig(val_fraction=0.2, workers=1), out)
+        outputs.append({name: (out / name).read_bytes() for name in ("train.bin", "val.bin", "meta.json")})
+    assert outputs[0] == outputs[1]
+
+
+def test_process_pool_output_equals_in_process(tmp_path, tokenizer_dir):
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    one = prepare_splits(corpus, tokenizer_dir, PrepareConfig(val_fraction=0.2, batch_size=7, workers=1), tmp_path / "a")
+    two = prepare_splits(corpus, tokenizer_dir, PrepareConfig(val_fraction=0.2, batch_size=7, workers=2), tmp_path / "b")
+    assert one == two
+    for name in ("train.bin", "val.bin"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def test_tail_split_puts_the_end_of_a_single_document_in_val(tmp_path, tokenizer_dir):
+    text = "".join(f"line number {i:03d}\n" for i in range(100))  # 1,600 characters, 16 per line
+    corpus = write_jsonl(tmp_path / "c.jsonl", [text])
+    cfg = PrepareConfig(split="tail", val_fraction=0.1, workers=1)
+    meta = prepare_splits(corpus, tokenizer_dir, cfg, tmp_path / "prep", report_dir=tmp_path / "report")
+    # 90% of 1,600 = 1,440 characters: exactly the start of line 90.
+    assert (meta["split"], meta["cut_document"], meta["cut_offset"]) == ("tail", 0, 1440)
+    tok = load_tokenizer(tokenizer_dir)
+    train, val = load_split(tmp_path / "prep", "train"), load_split(tmp_path / "prep", "val")
+    assert tok.decode(train[:-1].tolist()) == text[:1440] and tok.decode(val[:-1].tolist()) == text[1440:]
+    assert (meta["train"]["documents"], meta["val"]["documents"]) == (1, 1)
+    assert (meta["train"]["bytes"], meta["val"]["bytes"]) == (1440, 160)
+    assert list(training_texts(corpus, cfg)) == [text[:1440]]
+    assert json.loads((tmp_path / "report" / "token_report.json").read_text())["success"] is True
+
+
+def test_tail_split_over_several_documents_cuts_inside_one_at_a_line_start(tmp_path, tokenizer_dir):
+    docs = ["a" * 50, "b" * 10 + "\n" + "c" * 39, "d" * 50]  # 150 characters; train gets 75
+    meta = prepare_splits(write_jsonl(tmp_path / "c.jsonl", docs), tokenizer_dir,
+                          PrepareConfig(split="tail", val_fraction=0.5, workers=1), tmp_path / "prep")
+    assert (meta["cut_document"], meta["cut_offset"]) == (1, 11)  # the line start before character 25 of doc 1
+    assert meta["train"]["bytes"] == 61 and meta["val"]["bytes"] == 89
+    assert (meta["train"]["documents"], meta["val"]["documents"]) == (2, 2)
+
+
+def test_long_documents_are_encoded_in_pieces_with_the_same_ids(tokenizer_dir):
+    tok = load_tokenizer(tokenizer_dir)
+    text = SHAKESPEARE + "  indented line\n\n\nlast"
+    pieces = _pieces(text, 40)
+    assert len(pieces) > 3 and "".join(pieces) == text
+    assert all(p.endswith("\n") and not q[0].isspace() for p, q in zip(pieces, pieces[1:]))  # cut at line starts
+    whole = tok(text, add_special_tokens=False)["input_ids"]
+    assert sum((tok(p, add_special_tokens=False)["input_ids"] for p in pieces), []) == whole
+    assert _pieces("x" * 100, 10) == ["x" * 100]  # no line start to cut at: stays whole
+
+
+def write_split(prep, name, ids):
+    np.array(ids, dtype=np.uint16).tofile(prep / f"{name}.bin")
+
+
+def test_token_checks_name_each_failure_and_write_the_report(tmp_path, tokenizer_dir):
+    tok = load_tokenizer(tokenizer_dir)
+    prep, report_dir = tmp_path / "prep", tmp_path / "report"
+    prep.mkdir()
+    doc = tok("Document 1", add_special_tokens=False)["input_ids"]
+    write_split(prep, "train", [5, 6, 0, 0, *doc, 0, 999, 0])  # an empty document, a shared one, an id ≥ vocab
+    write_split(prep, "val", [*doc, 0, 7])  # a shared document, no final EOS
+    meta = {"dtype": "uint16", "vocab_size": 320, "eos_id": 0,
+            "train": {"documents": 4}, "val": {"documents": 1}}
+    with pytest.raises(TokenCheckError) as info:
+        check_token_files(prep, meta, tok, report_dir)
+    assert str(info.value).splitlines() == [
+        "token checks FAILED:",
+        " - train: ids below vocab size: 1 ids ≥ 320 (largest 999)",
+        " - train: no empty documents: 1 empty documents (EOS right after EOS)",
+        " - val: ends with EOS: the last document has no EOS: the file is truncated",
+        " - train/val: no shared documents: 1 documents are in both splits"]
+    report = json.loads((report_dir / "token_report.json").read_text())
+    assert report["success"] is False and report["checks"][-1]["examples"] == ["Document 1"]
+    assert report["splits"]["train"]["documents"] == 4 and report["splits"]["train"]["max_id"] == 999
+    assert "Token checks FAILED" in (report_dir / "token_report.html").read_text()
