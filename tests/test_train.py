@@ -204,3 +204,8 @@ def test_early_stopping_keeps_the_best_model(tmp_path):
     assert best.step == 10
     kept = trainer.model.state_dict()
     assert all(torch.equal(w, kept[name]) for name, w in best.load_weights().items())
+
+
+def test_fp16_without_a_gpu_is_refused_with_a_clear_message(tmp_path):
+    with pytest.raises(ValueError, match="fp16 needs a CUDA GPU"):
+        make_trainer(tmp_path, 5, precision="fp16")

@@ -174,8 +174,9 @@ class TrainConfig(Section):
         None, ge=1, description="stop after this many validations without improvement; the best model is kept")
     backend: Literal["auto", "ddp", "fsdp"] = Field(
         "auto", description="under torchrun: ddp (DistributedDataParallel) or fsdp (FSDP2 fully_shard); auto = ddp")
-    precision: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="auto: bf16 autocast where this hardware runs it faster than fp32 (measured), else fp32")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="auto: bf16 autocast where this hardware runs it faster than fp32 (measured), else fp32; "
+        "fp16: autocast with loss scaling, GPU only")
     eval_every: int = Field(100, ge=1, description="steps between validation passes")
     eval_batches: int = Field(10, ge=1, description="validation micro-batches per pass")
     checkpoint_every: int = Field(100, ge=1)

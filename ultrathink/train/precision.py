@@ -26,7 +26,10 @@ def matmul_gflops(dtype: torch.dtype, size: int = 512, repeats: int = 3) -> floa
 
 @functools.lru_cache(maxsize=None)
 def resolve_precision(requested: str, device: str = "cpu") -> str:
-    """'fp32' or 'bf16'. `auto` picks bf16 on a GPU that supports it, and on a CPU only where it measures faster."""
+    """'fp32', 'bf16' or 'fp16'. `auto` picks bf16 on a GPU that supports it, and on a CPU only where it measures
+    faster. fp16 (with loss scaling) is for GPUs without bf16; on a CPU it is refused."""
+    if requested == "fp16" and device != "cuda":
+        raise ValueError("train.precision: fp16 needs a CUDA GPU (it relies on loss scaling there); use auto or bf16")
     if requested != "auto":
         return requested
     if device == "cuda":
@@ -39,17 +42,17 @@ def resolve_precision(requested: str, device: str = "cpu") -> str:
 
 # Dense peak FLOP/s of known accelerators (no sparsity), by precision: the denominator of MFU on a GPU.
 GPU_PEAK_FLOPS = {
-    "H100": {"bf16": 989e12, "fp32": 494e12},  # SXM; fp32 matmuls run as TF32
-    "H200": {"bf16": 989e12, "fp32": 494e12},
-    "A100": {"bf16": 312e12, "fp32": 156e12},
-    "L4": {"bf16": 121e12, "fp32": 60e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12},  # SXM; fp32 matmuls run as TF32
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12},
+    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 60e12},
 }
 
 
 @functools.lru_cache(maxsize=None)
 def peak_flops(precision: str, device: str = "cpu") -> float:
     """FLOP/s this device can do in `precision`: a table for GPUs, a short measured matmul on a CPU."""
-    precision = resolve_precision(precision, device)
+    precision = resolve_precision(precision, device.split(":")[0])
     if device.startswith("cuda"):
         name = torch.cuda.get_device_name()
         for key, peaks in GPU_PEAK_FLOPS.items():

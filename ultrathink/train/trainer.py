@@ -33,9 +33,9 @@ class NonFiniteLossError(StageError):
 
 
 def autocast(precision: str, device: str = "cpu"):
-    if resolve_precision(precision, device) == "bf16":
-        return torch.autocast(device_type=device, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    kind = device.split(":")[0]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(resolve_precision(precision, kind))
+    return torch.autocast(device_type=kind, dtype=dtype) if dtype else contextlib.nullcontext()
 
 
 @torch.no_grad()
@@ -43,9 +43,11 @@ def mean_loss(model, batches, precision: str) -> tuple[float, int]:
     """Mean next-token loss over `batches` and the number of predicted tokens."""
     was_training = model.training
     model.eval()
+    device = str(next(model.parameters()).device)
     total, count = 0.0, 0
     for x, y in batches:
-        with autocast(precision):
+        x, y = x.to(device), y.to(device)
+        with autocast(precision, device):
             _, loss = model(x, y)
         total += loss.item() * y.numel()
         count += y.numel()
@@ -74,7 +76,10 @@ class Trainer:
         self.log_metrics = log_metrics or (lambda metrics, step: None)
         self.dist = dist or Distributed()
         # `engine` is what trains (the model or its data-parallel wrapper); `model` is what is saved and evaluated.
+        model.to(self.dist.device)
         self.engine = self.dist.wrap(model)
+        # fp16 needs loss scaling so small gradients do not underflow; bf16 and fp32 do not (scaler disabled).
+        self.scaler = torch.amp.GradScaler("cuda", enabled=resolve_precision(cfg.precision, self.dist.kind) == "fp16")
         self.optimizers = build_optimizers(model, cfg)
         self.scheduler = Scheduler(self.optimizers, cfg)
         self.step = 0
@@ -91,6 +96,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "loader": self.loader.state_dict(),
             "torch_rng": torch.get_rng_state(),
+            "grad_scaler": self.scaler.state_dict(),
             "history": self.history,
             "counters": dict(self.counters),
         }
@@ -113,6 +119,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["loader"])
         torch.set_rng_state(state["torch_rng"])
+        self.scaler.load_state_dict(state["grad_scaler"])
         self.step, self.history, self.counters = state["step"], state["history"], dict(state["counters"])
         log.warning("resumed from %s at step %d", latest.path, self.step)
         return self.step
@@ -128,21 +135,25 @@ class Trainer:
         self.engine.train()
         total = 0.0
         for _ in range(self.cfg.grad_accum):
-            x, y = next(self.loader)
-            with autocast(self.cfg.precision):
+            x, y = (t.to(self.dist.device, non_blocking=True) for t in next(self.loader))
+            with autocast(self.cfg.precision, self.dist.device):
                 _, loss = self.engine(x, y)
-            (loss / self.cfg.grad_accum).backward()
+            self.scaler.scale(loss / self.cfg.grad_accum).backward()
             total += loss.item() / self.cfg.grad_accum
         total = self.dist.mean(total)  # every rank sees the same loss, so all take the same skip decision
+        for opt in self.optimizers:
+            self.scaler.unscale_(opt)  # clip the true gradient norm, not the loss-scaled one
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
         grad_norm = as_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-        if not (math.isfinite(total) and math.isfinite(grad_norm)):
+        if not math.isfinite(total) or (not math.isfinite(grad_norm) and not self.scaler.is_enabled()):
             self._zero_grad()
             self._count_bad_step(total, grad_norm)
             return None
+        # Under fp16 an overflowed gradient is routine: the scaler skips that update and lowers its scale.
         self.counters["bad_in_a_row"] = 0
         for opt in self.optimizers:
-            opt.step()
+            self.scaler.step(opt)
+        self.scaler.update()
         self.scheduler.step()
         self._zero_grad()
         self.step += 1
