@@ -21,8 +21,14 @@ from ultrathink.train.trainer import Trainer
 
 
 def flat_params(params: Params) -> dict[str, object]:
+    """`model.moe.top_k`-style keys for MLflow, nested sections included."""
+    def flatten(prefix: str, value) -> dict[str, object]:
+        if isinstance(value, dict):
+            return {k: v for key, sub in value.items() for k, v in flatten(f"{prefix}.{key}", sub).items()}
+        return {prefix: value}
+
     dump = params.model_dump(by_alias=True)
-    return {f"{section}.{k}": v for section in ("data", "tokenizer", "model", "train") for k, v in dump[section].items()}
+    return {k: v for section in ("data", "tokenizer", "model", "train") for k, v in flatten(section, dump[section]).items()}
 
 
 def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> Trainer:

@@ -1,8 +1,9 @@
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from ultrathink.config import ModelConfig
 from ultrathink.model import UltraThink
+from ultrathink.model.export import to_hf
 from ultrathink.model.generate import generate, sample_next
 
 CFG = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=64)
@@ -14,30 +15,13 @@ def tiny(seed=0) -> UltraThink:
     return UltraThink(CFG, VOCAB).eval()
 
 
-def to_llama(model: UltraThink) -> LlamaForCausalLM:
-    cfg = model.cfg
-    hf = LlamaForCausalLM(LlamaConfig(
-        vocab_size=model.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.hidden,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-        max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-        tie_word_embeddings=True)).eval()
-    names = {"embed.": "model.embed_tokens.", "blocks.": "model.layers.", "attn_norm": "input_layernorm",
-             "mlp_norm": "post_attention_layernorm", ".attn.": ".self_attn."}
-    state = {}
-    for key, value in model.state_dict().items():
-        for old, new in names.items():
-            key = key.replace(old, new)
-        state["model.norm.weight" if key == "norm.weight" else key] = value
-    state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    hf.load_state_dict(state, strict=True)
-    return hf
-
-
 def test_logits_match_hugging_face_llama():
     model = tiny()
     x = torch.randint(0, VOCAB, (2, 40))
+    hf = to_hf(model)
+    assert isinstance(hf, LlamaForCausalLM) and hf.config.tie_word_embeddings
     with torch.no_grad():
-        assert torch.allclose(model(x)[0], to_llama(model)(x).logits, atol=1e-5)
+        assert torch.allclose(model(x)[0], hf(x).logits, atol=1e-5)
 
 
 def test_causal_later_tokens_do_not_change_earlier_logits():

@@ -9,8 +9,8 @@ from ultrathink.evaluate import bits_per_byte, unigram_cross_entropy
 from ultrathink.model import UltraThink
 from ultrathink.train.checkpoint import CheckpointManager
 from ultrathink.train.loader import TokenWindows, eval_batches
-from ultrathink.train.optim import param_groups
-from ultrathink.train.schedule import lr_factor
+from ultrathink.train.optim import build_optimizers, param_groups
+from ultrathink.train.schedule import Scheduler, lr_factor
 from ultrathink.train.trainer import NonFiniteLossError, Trainer
 
 MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, seq_len=16)
@@ -209,3 +209,24 @@ def test_early_stopping_keeps_the_best_model(tmp_path):
 def test_fp16_without_a_gpu_is_refused_with_a_clear_message(tmp_path):
     with pytest.raises(ValueError, match="fp16 needs a CUDA GPU"):
         make_trainer(tmp_path, 5, precision="fp16")
+
+
+@pytest.mark.parametrize("section, line_part, metric", [
+    ({"moe": {"enabled": True, "every": 1, "bias_balancing": True}}, "moe=[entropy=", "moe_entropy"),
+    ({"dre": {"enabled": True, "every": 2, "warmup_steps": 2}}, "dre=[path=standard,kept=", "dre_kept"),
+])
+def test_routing_health_reaches_the_tracker_and_the_step_line(tmp_path, capsys, section, line_part, metric):
+    logged = []
+    trainer = make_trainer(tmp_path, 10)
+    torch.manual_seed(0)
+    trainer.model = UltraThink(MODEL.model_copy(update={k: MODEL.__dict__[k].model_copy(update=v)
+                                                        for k, v in section.items()}), VOCAB)
+    trainer.engine = trainer.model
+    trainer.optimizers = build_optimizers(trainer.model, trainer.cfg)
+    trainer.scheduler = Scheduler(trainer.optimizers, trainer.cfg)
+    trainer.log_metrics = lambda record, step: logged.append(record)
+    trainer.fit()
+    assert len(logged) == 10 and all(metric in record for record in logged)
+    assert 0 < logged[-1][metric] <= 1
+    captured = capsys.readouterr()
+    assert line_part in captured.out + captured.err

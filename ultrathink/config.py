@@ -120,6 +120,64 @@ class ConstitutionConfig(Section):
         "while cleaning and checked on the cleaned corpus; null: none")
 
 
+class MoEGroups(Section):
+    """Experts per named group. One router chooses among all experts; a group is a contiguous range of expert ids
+    (in this order) whose routing health is reported together. What each group specialises in is learned, not forced."""
+
+    knowledge: int = Field(3, ge=0)
+    skill: int = Field(3, ge=0)
+    meta: int = Field(1, ge=0)
+    safety: int = Field(1, ge=0)
+
+
+class MoEConfig(Section):
+    enabled: bool = Field(False, description="replace the MLP of every `every`-th block with a sparse MoE layer")
+    every: int = Field(2, ge=1, description="MoE in blocks every, 2·every, ... (counting from 1); 1: every block")
+    top_k: int = Field(2, ge=1, description="experts each token is routed to")
+    groups: MoEGroups = MoEGroups()
+    expert_hidden: int | None = Field(None, ge=1, description="each expert's SwiGLU width; default model's hidden")
+    capacity_factor: float | None = Field(
+        1.25, gt=0, description="training only: an expert takes at most factor·tokens·top_k/experts tokens, the "
+        "rest of its tokens keep only the residual (earlier positions first); null: dropless. Eval is dropless")
+    aux_loss_weight: float = Field(0.01, ge=0, description="weight of the Switch load-balancing loss")
+    z_loss_weight: float = Field(0.001, ge=0, description="weight of the router z-loss (mean logsumexp²)")
+    bias_balancing: bool = Field(
+        False, description="aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores that "
+        "choose experts (not to their weights), nudged after each optimizer step toward equal load")
+    bias_update_rate: float = Field(0.001, gt=0, description="bias change per optimizer step")
+
+    @property
+    def n_experts(self) -> int:
+        return sum(self.groups.model_dump().values())
+
+    def applies_to(self, layer: int) -> bool:
+        return self.enabled and (layer + 1) % self.every == 0
+
+    @model_validator(mode="after")
+    def _top_k_fits(self) -> "MoEConfig":
+        if self.enabled and not self.top_k <= self.n_experts:
+            raise ValueError(f"top_k ({self.top_k}) must not exceed the number of experts ({self.n_experts})")
+        return self
+
+
+class DREConfig(Section):
+    """Dynamic Reasoning Engine: Mixture-of-Depths routing (ultrathink/model/dre.py)."""
+
+    enabled: bool = Field(False, description="route tokens around every `every`-th block (Mixture-of-Depths)")
+    every: int = Field(2, ge=1, description="routed blocks: every, 2·every, ... (counting from 1)")
+    path: Literal["fast", "standard", "deep"] = Field(
+        "standard", description="share of tokens a routed block processes: fast 25%, standard 50%, deep 75%")
+    force_path: Literal["fast", "standard", "deep"] | None = Field(
+        None, description="at inference (eval mode) use this path instead of `path`; null: `path`")
+    warmup_steps: int = Field(30, ge=0, description="optimizer steps at full capacity before routing starts")
+    aux_loss_weight: float = Field(
+        0.1, ge=0, description="weight of the router's BCE toward top-capacity membership (keeps the threshold "
+        "at its share of tokens)")
+
+    def applies_to(self, layer: int) -> bool:
+        return self.enabled and (layer + 1) % self.every == 0
+
+
 class ModelConfig(Section):
     d_model: int = Field(192, ge=8, description="residual stream width")
     n_layers: int = Field(4, ge=1)
@@ -131,6 +189,8 @@ class ModelConfig(Section):
     norm_eps: float = Field(1e-5, gt=0)
     dropout: float = Field(0.1, ge=0, lt=1)
     init_std: float = Field(0.02, gt=0)
+    moe: MoEConfig = MoEConfig()
+    dre: DREConfig = DREConfig()
 
     @model_validator(mode="after")
     def _heads_fit(self) -> "ModelConfig":
@@ -140,6 +200,9 @@ class ModelConfig(Section):
             raise ValueError(f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
         if (self.d_model // self.n_heads) % 2:
             raise ValueError("head size d_model/n_heads must be even for rotary embeddings")
+        if any(self.moe.applies_to(i) and self.dre.applies_to(i) for i in range(self.n_layers)):
+            # A routed block pads its rows of selected tokens; an MoE layer inside would route the padding too.
+            raise ValueError("moe and dre must not apply to the same block (change moe.every or dre.every)")
         return self
 
     @property

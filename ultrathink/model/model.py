@@ -4,7 +4,10 @@ token embedding → N × [RMSNorm → grouped-query attention with RoPE → resi
                        RMSNorm → SwiGLU MLP → residual] → RMSNorm → tied output projection.
 
 The math follows Hugging Face's LlamaForCausalLM exactly (rotate-half RoPE, RMSNorm in fp32, SwiGLU), so an export
-to that format is a renaming of tensors and its logits match ours.
+to that format is a renaming of tensors and its logits match ours (ultrathink/model/export.py).
+
+Two optional sparse paths live in their own modules: `model.moe` turns some MLPs into mixtures of experts (moe.py),
+`model.dre` routes only some tokens through some blocks (dre.py). With both off (the default) this is the dense model.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from ultrathink.config import ModelConfig
+from ultrathink.model.dre import RoutedBlock, dre_aux_loss, dre_metrics
+from ultrathink.model.moe import MoE, moe_aux_loss, moe_metrics
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -68,6 +73,8 @@ class KVCache:
     def __init__(self, n_layers: int):
         self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
         self.length = 0
+        # Positions of the cached keys, for routed blocks (dre.py), which cache only the tokens they process.
+        self.positions: list[torch.Tensor | None] = [None] * n_layers
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         past = self.layers[layer]
@@ -88,7 +95,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
         self.dropout = cfg.dropout
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0, mask=None) -> torch.Tensor:
+        """`mask` (boolean, True = may attend) replaces the causal mask; routed blocks pass one (dre.py)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -97,22 +105,21 @@ class Attention(nn.Module):
         past = cache.length if cache is not None else 0
         if cache is not None:
             k, v = cache.update(layer, k, v)
-        mask, causal = None, past == 0
-        if past and T > 1:  # a chunk after a cached prefix: each new token sees the prefix and the chunk up to itself
+        if mask is None and past and T > 1:  # a chunk after a cached prefix: it sees the prefix and itself, causally
             mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal and T > 1,
+            q, k, v, attn_mask=mask, is_causal=mask is None and past == 0 and T > 1,
             dropout_p=self.dropout if self.training else 0.0, enable_gqa=self.n_kv_heads != self.n_heads,
         )
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, d_model: int, hidden: int):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.hidden, bias=False)
-        self.up_proj = nn.Linear(cfg.d_model, cfg.hidden, bias=False)
-        self.down_proj = nn.Linear(cfg.hidden, cfg.d_model, bias=False)
+        self.gate_proj = nn.Linear(d_model, hidden, bias=False)
+        self.up_proj = nn.Linear(d_model, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -125,12 +132,24 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = make_mlp(cfg, layer)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin, cache, self.layer))
+    def forward(self, x, cos, sin, cache: KVCache | None = None, mask=None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin, cache, self.layer, mask))
         return x + self.drop(self.mlp(self.mlp_norm(x)))
+
+
+def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    if cfg.moe.applies_to(layer):
+        hidden = cfg.moe.expert_hidden or cfg.hidden
+        return MoE(cfg.d_model, cfg.moe, lambda: SwiGLU(cfg.d_model, hidden))
+    return SwiGLU(cfg.d_model, cfg.hidden)
+
+
+def make_block(cfg: ModelConfig, layer: int) -> nn.Module:
+    block = Block(cfg, layer)
+    return RoutedBlock(block, cfg.d_model, cfg.dre) if cfg.dre.applies_to(layer) else block
 
 
 class UltraThink(nn.Module):
@@ -139,7 +158,9 @@ class UltraThink(nn.Module):
         self.cfg, self.vocab_size = cfg, vocab_size
         self.embed = nn.Embedding(vocab_size, cfg.d_model)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
-        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(make_block(cfg, i) for i in range(cfg.n_layers))
+        self.moe_layers = {i: m for i, b in enumerate(self.blocks) for m in b.modules() if isinstance(m, MoE)}
+        self.routed_blocks = {i: b for i, b in enumerate(self.blocks) if isinstance(b, RoutedBlock)}
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.apply(self._init_weights)
         # Scale the projections that write into the residual stream so its variance does not grow with depth (GPT-2).
@@ -152,7 +173,9 @@ class UltraThink(nn.Module):
             nn.init.normal_(module.weight, std=self.cfg.init_std)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None):
-        """Logits for every position, and the mean next-token loss when targets are given."""
+        """Logits for every position, and the mean next-token loss when targets are given. In training mode the
+        loss includes the weighted aux losses of MoE layers and routed blocks; in eval mode it is the pure
+        cross-entropy, so validation losses compare across architectures."""
         start = cache.length if cache is not None else 0
         cos, sin = self.rotary(start, idx.shape[1])
         x = self.embed(idx)
@@ -165,15 +188,50 @@ class UltraThink(nn.Module):
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+            if self.training and self.moe_layers:
+                loss = loss + moe_aux_loss(list(self.moe_layers.values()))
+            if self.training and self.routed_blocks:
+                loss = loss + dre_aux_loss(list(self.routed_blocks.values()))
         return logits, loss
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def active_params(self) -> int:
+        """Parameters one token's forward uses: each MoE layer counts only top_k of its experts. (Routed blocks
+        count in full: the share of tokens they process is measured, see health_metrics' dre_flops_ratio.)"""
+        idle = sum(sum(p.numel() for p in m.experts[0].parameters()) * (len(m.experts) - m.top_k)
+                   for m in self.moe_layers.values())
+        return self.num_params() - idle
+
     def flops_per_token(self) -> int:
-        """Training FLOPs per token, PaLM's convention: 6·N for the weights (the tied embedding counts once, as the
-        output matmul) plus 12·layers·d_model·seq_len for attention scores and values."""
-        return 6 * self.num_params() + 12 * self.cfg.n_layers * self.cfg.d_model * self.cfg.seq_len
+        """Training FLOPs per token, PaLM's convention: 6·N for the weights a token uses (the tied embedding counts
+        once, as the output matmul) plus 12·layers·d_model·seq_len for attention scores and values."""
+        return 6 * self.active_params() + 12 * self.cfg.n_layers * self.cfg.d_model * self.cfg.seq_len
+
+    # ---- hooks for the trainer (no-ops for the dense model) ----------------------------------------------------
+    def health_metrics(self) -> dict[str, float]:
+        """Routing health of the last forward: MoE load per layer and expert group, DRE share of tokens processed
+        and FLOPs spent. Empty for the dense model."""
+        return {**moe_metrics(self.moe_layers),
+                **dre_metrics(self.routed_blocks, self.flops_per_token(), self.cfg.d_model, self.cfg.seq_len)}
+
+    def health_line(self, metrics: dict[str, float]) -> str:
+        """The step-line suffix for `metrics` from health_metrics, e.g.
+        `moe=[entropy=0.97,max_exp=14.2%] dre=[path=standard,kept=51.2%]`; empty for the dense model."""
+        parts = []
+        if "moe_entropy" in metrics:
+            parts.append(f"moe=[entropy={metrics['moe_entropy']:.2f},max_exp={metrics['moe_max_expert_share']:.1%}]")
+        if "dre_kept" in metrics:
+            path = next(iter(self.routed_blocks.values())).path() or "warmup"
+            parts.append(f"dre=[path={path},kept={metrics['dre_kept']:.1%}]")
+        return " ".join(parts)
+
+    def after_optimizer_step(self) -> None:
+        """Call once after each optimizer.step(): nudges MoE selection biases toward balance, moves the DRE
+        thresholds and counts the DRE warmup."""
+        for module in [*self.moe_layers.values(), *self.routed_blocks.values()]:
+            module.after_optimizer_step()
 
     def save_pretrained(self, out_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Write weights and config; `state_dict` lets a sharded (FSDP) run pass its gathered full weights."""

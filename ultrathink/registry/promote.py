@@ -24,6 +24,7 @@ from packaging.version import Version
 import ultrathink
 from ultrathink.config import EvaluateConfig, RegistryConfig
 from ultrathink.io import atomic_write_json
+from ultrathink.model.export import ExportError, export_hf
 from ultrathink.registry.tracking import BAD_VALUE, NOT_FOUND, start_or_resume_run
 
 CHAMPION = "champion"
@@ -133,6 +134,18 @@ def _ensure_run_metrics(metrics: dict[str, float]) -> None:
         mlflow.log_metrics(missing)
 
 
+def log_hf_export(model_dir: Path, tokenizer_dir: Path) -> str:
+    """Export the model to a transformers directory and log it in the active run as `hf_export`. Returns its URI,
+    or why this architecture has no transformers equivalent (then nothing is logged)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            out = export_hf(model_dir, tokenizer_dir, Path(tmp) / "hf")
+        except ExportError as exc:
+            return f"not exported: {exc}"
+        mlflow.log_artifacts(str(out), "hf_export")
+    return f"runs:/{mlflow.active_run().info.run_id}/hf_export"
+
+
 def promote(model_dir: Path, tokenizer_dir: Path, metrics: dict[str, float], cfg: RegistryConfig,
             eval_cfg: EvaluateConfig, tags: dict[str, str], run_id: str | None, root: Path) -> dict:
     """Log, register and tag a new version, alias it `challenger`, and move `champion` to it if it is better.
@@ -145,7 +158,8 @@ def promote(model_dir: Path, tokenizer_dir: Path, metrics: dict[str, float], cfg
     with start_or_resume_run(cfg.experiment, root, run_id) as run:
         _ensure_run_metrics(metrics)
         info = log_pyfunc(Path(model_dir), Path(tokenizer_dir), eval_cfg)
-        version_tags = {**{k: str(v) for k, v in tags.items()}, cfg.metric: repr(value)}
+        hf_export = log_hf_export(Path(model_dir), Path(tokenizer_dir))
+        version_tags = {**{k: str(v) for k, v in tags.items()}, cfg.metric: repr(value), "hf_export": hf_export}
         version = mlflow.register_model(info.model_uri, cfg.model_name, tags=version_tags)
     client = MlflowClient()
     client.set_registered_model_alias(cfg.model_name, CHALLENGER, version.version)
@@ -158,5 +172,5 @@ def promote(model_dir: Path, tokenizer_dir: Path, metrics: dict[str, float], cfg
         "model_name": cfg.model_name, "version": int(version.version), "run_id": run.info.run_id,
         "metric": cfg.metric, "value": value,
         "previous_champion_version": int(champion.version) if champion else None,
-        "previous_value": previous, "promoted": promoted, "reason": reason,
+        "previous_value": previous, "promoted": promoted, "reason": reason, "hf_export": hf_export,
     }

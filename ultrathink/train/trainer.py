@@ -155,6 +155,7 @@ class Trainer:
             self.scaler.step(opt)
         self.scaler.update()
         self.scheduler.step()
+        self.model.after_optimizer_step()  # MoE selection biases and DRE thresholds move once per update
         self._zero_grad()
         self.step += 1
         return total, grad_norm
@@ -213,6 +214,7 @@ class Trainer:
             bar.update(1)
             record = {"train_loss": loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                       "skipped_steps": float(self.counters["skipped"])}
+            record.update(self.model.health_metrics())  # routing health of this step, before validate() reroutes
             last = self.step == cfg.max_steps
             if self.step % cfg.log_every == 0 or last:
                 elapsed = time.perf_counter() - window_start
@@ -227,7 +229,8 @@ class Trainer:
             if "tokens_per_second" in record or "val_loss" in record:
                 self.history.append({"step": self.step, **record})
                 if self.dist.is_main:
-                    bar.write(step_line(self.step, cfg.max_steps, record))
+                    bar.write(" ".join(filter(None, [step_line(self.step, cfg.max_steps, record),
+                                                     self.model.health_line(record)])))
             if self.step % cfg.checkpoint_every == 0 or last or stop:
                 self._save()
         bar.close()

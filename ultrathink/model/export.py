@@ -1,0 +1,97 @@
+"""Export a trained UltraThink model as a Hugging Face transformers directory.
+
+The dense model is a LlamaForCausalLM (same math, tensors renamed, tied embeddings). A model whose every block is an
+MoE layer is a MixtralForCausalLM: Mixtral routes with softmax → top-k → renormalise over the chosen experts, which
+is what MoE does for top_k ≥ 2 without a selection bias; Mixtral is dropless, as MoE is at inference.
+
+Not exportable (ExportError says which): DRE routing (transformers has no Mixture-of-Depths model); MoE in only
+some blocks (Mixtral's blocks are all MoE); top_k = 1 (MoE weights the expert by its probability, Mixtral by 1);
+bias balancing (Mixtral chooses experts by probability alone).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedModel
+
+from ultrathink.io import atomic_dir
+from ultrathink.model.model import UltraThink
+from ultrathink.tokenizer import load_tokenizer
+
+RENAMES = {"embed.": "model.embed_tokens.", "blocks.": "model.layers.", "attn_norm": "input_layernorm",
+           "mlp_norm": "post_attention_layernorm", ".attn.": ".self_attn.", ".mlp.router.": ".mlp.gate."}
+
+
+class ExportError(ValueError):
+    """The model uses something the target transformers architecture cannot express."""
+
+
+def incompatibilities(model: UltraThink) -> list[str]:
+    cfg, problems = model.cfg, []
+    if model.routed_blocks:
+        problems.append("model.dre: transformers has no Mixture-of-Depths (routed block) architecture")
+    if model.moe_layers and len(model.moe_layers) != cfg.n_layers:
+        problems.append(f"model.moe.every={cfg.moe.every}: Mixtral needs an MoE layer in every block (every=1)")
+    if model.moe_layers and cfg.moe.top_k == 1:
+        problems.append("model.moe.top_k=1: MoE weights the one expert by its probability, Mixtral by 1")
+    if model.moe_layers and cfg.moe.bias_balancing:
+        problems.append("model.moe.bias_balancing: Mixtral chooses experts by router probability alone")
+    return problems
+
+
+def hf_config(model: UltraThink) -> LlamaConfig | MixtralConfig:
+    cfg = model.cfg
+    common = dict(vocab_size=model.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
+                  num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+                  max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
+                  tie_word_embeddings=True)
+    if model.moe_layers:
+        return MixtralConfig(**common, intermediate_size=cfg.moe.expert_hidden or cfg.hidden,
+                             num_local_experts=cfg.moe.n_experts, num_experts_per_tok=cfg.moe.top_k,
+                             router_jitter_noise=0.0)
+    return LlamaConfig(**common, intermediate_size=cfg.hidden)
+
+
+def hf_state_dict(model: UltraThink) -> dict[str, torch.Tensor]:
+    """Our tensors under transformers' names; each MoE layer's experts stacked the way Mixtral stores them."""
+    state = {}
+    for key, value in model.state_dict().items():
+        if ".experts." in key or key.endswith(".select_bias"):
+            continue
+        for old, new in RENAMES.items():
+            key = key.replace(old, new)
+        state["model.norm.weight" if key == "norm.weight" else key] = value
+    for i, moe in model.moe_layers.items():
+        prefix = f"model.layers.{i}.mlp.experts."
+        state[prefix + "gate_up_proj"] = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight])
+                                                      for e in moe.experts])
+        state[prefix + "down_proj"] = torch.stack([e.down_proj.weight for e in moe.experts])
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
+def to_hf(model: UltraThink) -> PreTrainedModel:
+    """The equivalent transformers model (Llama or Mixtral), in eval mode; ExportError if there is none."""
+    problems = incompatibilities(model)
+    if problems:
+        raise ExportError("cannot export to transformers:\n" + "\n".join(f"  - {p}" for p in problems))
+    config = hf_config(model)
+    hf = (MixtralForCausalLM if model.moe_layers else LlamaForCausalLM)(config)
+    hf.load_state_dict(hf_state_dict(model), strict=True)
+    return hf.eval()
+
+
+def export_hf(model_dir: str | Path, tokenizer_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write model_dir's model as a transformers directory (safetensors, config.json, tokenizer files) that
+    `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load. Replaces out_dir."""
+    hf = to_hf(UltraThink.from_pretrained(model_dir))
+    tokenizer = load_tokenizer(tokenizer_dir)
+    for config in (hf.config, hf.generation_config):
+        config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+        config.pad_token_id = tokenizer.pad_token_id
+    with atomic_dir(out_dir) as tmp:
+        hf.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return Path(out_dir)
