@@ -16,13 +16,8 @@ from transformers import PreTrainedTokenizerFast
 from ultrathink.config import EvaluateConfig, ModelConfig, RegistryConfig
 from ultrathink.model import UltraThink
 from ultrathink.model.generate import generate_text
-from ultrathink.registry import (
-    champion_uri,
-    load_run_id,
-    promote,
-    save_run_id,
-    start_or_resume_run,
-)
+from ultrathink.registry.promote import champion_uri, promote
+from ultrathink.registry.tracking import load_run_id, save_run_id, start_or_resume_run
 from ultrathink.tokenizer import load_tokenizer
 
 TINY = ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, seq_len=32)
