@@ -20,15 +20,22 @@ from ultrathink.train.loader import TokenWindows
 from ultrathink.train.trainer import Trainer
 
 
-def flat_params(params: Params) -> dict[str, object]:
-    """`model.moe.top_k`-style keys for MLflow, nested sections included."""
-    def flatten(prefix: str, value) -> dict[str, object]:
-        if isinstance(value, dict):
-            return {k: v for key, sub in value.items() for k, v in flatten(f"{prefix}.{key}", sub).items()}
-        return {prefix: value}
+def flatten(prefix: str, value) -> dict[str, object]:
+    """{'a': {'b': 1}} → {'prefix.a.b': 1}: MLflow keys for nested sections and reports."""
+    if isinstance(value, dict):
+        return {k: v for key, sub in value.items() for k, v in flatten(f"{prefix}.{key}", sub).items()}
+    return {prefix: value}
 
+
+def flat_params(params: Params) -> dict[str, object]:
     dump = params.model_dump(by_alias=True)
     return {k: v for section in ("data", "tokenizer", "model", "train") for k, v in flatten(section, dump[section]).items()}
+
+
+def cleaning_metrics(validate_report: str) -> dict[str, float]:
+    """The validate stage's counts (documents dropped per cleaning step, matches per constitution principle)."""
+    cleaning = json.loads(Path(validate_report).read_text()).get("cleaning", {})
+    return {k: float(v) for k, v in flatten("cleaning", cleaning).items() if isinstance(v, (int, float))}
 
 
 def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> Trainer:
@@ -71,6 +78,8 @@ def train_and_record(params: Params, trainer: Trainer, resumed: int | None) -> N
             mlflow.set_tags(lineage_tags(params))
             mlflow.log_artifact(p.validate_report, "data")
             mlflow.log_artifact(str(Path(p.prepared_dir) / "meta.json"), "data")
+            mlflow.log_artifacts(params.prepare.report_dir, "data/token_report")
+            mlflow.log_metrics(cleaning_metrics(p.validate_report))
         model = trainer.model
         mlflow.log_metrics({"model_params": model.num_params(), "flops_per_token": model.flops_per_token()})
         result = trainer.fit()

@@ -97,20 +97,27 @@ def test_unchanged_inputs_skip_every_stage(repro_project):
     assert ran_stages(sh(["dvc", "repro"], repro_project).stdout) == []
 
 
-def test_worse_model_change_reruns_only_downstream_and_keeps_champion(repro_project):
-    set_params(repro_project, {"model": {"d_model": 16}, "train": {"max_steps": 2, "warmup_steps": 1}})
-    out = sh(["dvc", "repro"], repro_project).stdout
-    assert ran_stages(out) == ["train", "evaluate", "promote"]
+def test_worse_moe_model_reruns_only_downstream_and_keeps_champion(repro_project):
+    set_params(repro_project, {"model": {"d_model": 16, "moe": {"enabled": True, "every": 1}},
+                               "train": {"max_steps": 2, "warmup_steps": 1}})
+    done = sh(["dvc", "repro"], repro_project)
+    assert ran_stages(done.stdout) == ["train", "evaluate", "promote"]
+    assert "moe=[entropy=" in done.stdout + done.stderr
     decision = json.loads((repro_project / "reports/promotion.json").read_text())
     assert decision["version"] == 2 and not decision["promoted"]
     client = client_for(repro_project)
     assert client.get_model_version_by_alias("ultrathink", "champion").version == 1
-    assert client.get_model_version_by_alias("ultrathink", "challenger").version == 2
+    challenger = client.get_model_version_by_alias("ultrathink", "challenger")
+    assert challenger.version == 2
+    assert {"moe_entropy", "moe_max_expert_share"} <= client.get_run(challenger.run_id).data.metrics.keys()
 
 
-def test_dvc_experiment_changes_one_knob(repro_project):
-    out = sh(["dvc", "exp", "run", "-S", "train.lr=0.02"], repro_project).stdout
-    assert ran_stages(out) == ["train", "evaluate", "promote"]
+def test_dvc_experiment_turns_on_the_reasoning_engine(repro_project):
+    knobs = ["train.lr=0.02", "model.moe.enabled=false", "model.dre.enabled=true", "model.dre.every=1",
+             "model.dre.warmup_steps=2"]
+    done = sh(["dvc", "exp", "run", *[arg for knob in knobs for arg in ("-S", knob)]], repro_project)
+    assert ran_stages(done.stdout) == ["train", "evaluate", "promote"]
+    assert "dre=[path=standard,kept=" in done.stdout + done.stderr
     assert yaml.safe_load((repro_project / "params.yaml").read_text())["train"]["lr"] == 0.02
     assert len(sh(["dvc", "exp", "list", "--name-only"], repro_project).stdout.split()) == 1
     assert json.loads((repro_project / "reports/promotion.json").read_text())["version"] == 3
@@ -134,8 +141,17 @@ def test_bad_params_fail_before_any_work(repro_project, tmp_path):
     assert done.returncode == 2 and "train.lr: Input should be greater than 0" in done.stderr
 
 
-def test_prefect_flow_runs_the_dvc_stages_then_skips(tmp_path):
+def test_prefect_flow_trains_a_jsonl_folder_then_skips(tmp_path):
+    """The flow on the user's own data: a folder of JSONL shards."""
+    from ultrathink.config import DataConfig
+    from ultrathink.data.sources import load_corpus
+
     project = make_project(tmp_path)
+    texts = list(load_corpus(DataConfig(max_samples=400))["text"])
+    for shard in range(2):
+        rows = (json.dumps({"body": t}) for t in texts[shard::2])
+        (project / f"data/raw/shard-{shard}.jsonl").write_text("\n".join(rows) + "\n")
+    set_params(project, {"data": {"source": "data/raw/shard-*.jsonl", "text_column": "body", "max_samples": None}})
     first = sh([sys.executable, "-m", "flows.pipeline"], project)
     log = first.stdout + first.stderr
     assert log.count("ran in") == 6, log[-3000:]

@@ -235,6 +235,9 @@ class TrainConfig(Section):
         5, ge=1, description="consecutive non-finite loss/gradient steps (each skipped) before the run stops")
     early_stopping_patience: int | None = Field(
         None, ge=1, description="stop after this many validations without improvement; the best model is kept")
+    gradient_checkpointing: bool = Field(
+        False, description="recompute each block's activations in backward: less memory, ~1/3 more compute")
+    compile: bool = Field(False, description="torch.compile the model for training (first steps pay the compile)")
     backend: Literal["auto", "ddp", "fsdp"] = Field(
         "auto", description="under torchrun: ddp (DistributedDataParallel) or fsdp (FSDP2 fully_shard); auto = ddp")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(

@@ -180,7 +180,11 @@ class UltraThink(nn.Module):
         cos, sin = self.rotary(start, idx.shape[1])
         x = self.embed(idx)
         for block in self.blocks:
-            x = block(x, cos, sin, cache)
+            if self.checkpoint_blocks and self.training:
+                # Keep only each block's input; recompute its activations during backward (same RNG draws).
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, cache, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, cache)
         if cache is not None:
             cache.length += idx.shape[1]
         # The output projection is tied to the embedding: one matrix, read in both directions.
@@ -193,6 +197,8 @@ class UltraThink(nn.Module):
             if self.training and self.routed_blocks:
                 loss = loss + dre_aux_loss(list(self.routed_blocks.values()))
         return logits, loss
+
+    checkpoint_blocks = False  # gradient checkpointing: trades ~1/3 more compute for activation memory
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

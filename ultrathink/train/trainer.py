@@ -77,7 +77,10 @@ class Trainer:
         self.dist = dist or Distributed()
         # `engine` is what trains (the model or its data-parallel wrapper); `model` is what is saved and evaluated.
         model.to(self.dist.device)
+        model.checkpoint_blocks = cfg.gradient_checkpointing
         self.engine = self.dist.wrap(model)
+        if cfg.compile:
+            self.engine = torch.compile(self.engine)
         # fp16 needs loss scaling so small gradients do not underflow; bf16 and fp32 do not (scaler disabled).
         self.scaler = torch.amp.GradScaler("cuda", enabled=resolve_precision(cfg.precision, self.dist.kind) == "fp16")
         self.optimizers = build_optimizers(model, cfg)
