@@ -18,7 +18,7 @@ import ultrathink  # noqa: F401
 from ultrathink.config import ModelConfig
 from ultrathink.model import UltraThink
 from ultrathink.train.precision import peak_flops
-from ultrathink.train.trainer import autocast
+from ultrathink.train.engine import autocast
 
 SHAPE = dict(d_model=384, n_layers=6, n_heads=6, n_kv_heads=6, seq_len=256)
 VOCAB, BATCH = 4096, 8

@@ -63,7 +63,7 @@ def run(params: Params) -> None:
             train_and_record(params, trainer, resumed)
         else:  # other ranks train in lockstep; the main rank alone talks to MLflow and writes files
             trainer.fit()
-            trainer.full_weights()  # collective under FSDP: the main rank gathers the final weights
+            trainer.full_weights()  # collective under FSDP and ZeRO-3: the main rank gathers the final weights
     finally:
         dist.close()
 

@@ -1,5 +1,7 @@
-"""Data parallel and sharded training on CPU: `torchrun --nproc_per_node=2 -m tasks.train` (gloo) trains the same
-model as one process with the same global batch; an FSDP run resumes from its own checkpoint exactly."""
+"""Data parallel and sharded training on CPU: `torchrun --nproc_per_node=2 -m tasks.train` (gloo) with DDP, FSDP2
+or DeepSpeed ZeRO-2 trains the same model as one process with the same global batch; FSDP and DeepSpeed runs resume
+from their own checkpoints exactly. Every checkpoint of a DDP or ZeRO-2 run first checks that all ranks hold the
+same weights (the run fails otherwise), the last one at the final step."""
 
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def single(tmp_path_factory) -> Path:
     return base
 
 
-@pytest.mark.parametrize("backend, port", [("ddp", 29517), ("fsdp", 29527)])
+@pytest.mark.parametrize("backend, port", [("ddp", 29517), ("fsdp", 29527), ("deepspeed", 29537)])
 def test_two_processes_match_one_process_with_the_same_global_batch(single, tmp_path, backend, port):
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")
     base = tiny_project(tmp_path, backend)
@@ -61,7 +63,11 @@ def test_two_processes_match_one_process_with_the_same_global_batch(single, tmp_
     # Only rank 0 wrote: one directory per kept checkpoint.
     assert sorted(p.name for p in (base / "ckpt").glob("step_*")) == ["step_00000015", "step_00000020"]
 
-    if backend == "fsdp":  # the sharded run resumes from its step-15 checkpoint to the same weights
+    if backend == "deepspeed":  # each rank's ZeRO shard of the optimizer state, in DeepSpeed's own format
+        shards = sorted(p.name for p in (base / "ckpt" / "step_00000020" / "deepspeed" / "ds").glob("*optim_states.pt"))
+        assert shards == ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+
+    if backend != "ddp":  # a sharded run resumes from its step-15 checkpoint to the same weights
         shutil.rmtree(base / "ckpt" / "step_00000020")
         shutil.rmtree(base / "model")
         torchrun(base, env, port)

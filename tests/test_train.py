@@ -9,8 +9,8 @@ from ultrathink.evaluate import bits_per_byte, unigram_cross_entropy
 from ultrathink.model import UltraThink
 from ultrathink.train.checkpoint import CheckpointManager
 from ultrathink.train.loader import TokenWindows, eval_batches
-from ultrathink.train.optim import build_optimizers, param_groups
-from ultrathink.train.schedule import Scheduler, lr_factor
+from ultrathink.train.optim import param_groups
+from ultrathink.train.schedule import lr_factor
 from ultrathink.train.trainer import NonFiniteLossError, Trainer
 
 MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, seq_len=16)
@@ -217,13 +217,8 @@ def test_fp16_without_a_gpu_is_refused_with_a_clear_message(tmp_path):
 ])
 def test_routing_health_reaches_the_tracker_and_the_step_line(tmp_path, capsys, section, line_part, metric):
     logged = []
-    trainer = make_trainer(tmp_path, 10)
-    torch.manual_seed(0)
-    trainer.model = UltraThink(MODEL.model_copy(update={k: MODEL.__dict__[k].model_copy(update=v)
-                                                        for k, v in section.items()}), VOCAB)
-    trainer.engine = trainer.model
-    trainer.optimizers = build_optimizers(trainer.model, trainer.cfg)
-    trainer.scheduler = Scheduler(trainer.optimizers, trainer.cfg)
+    routed = MODEL.model_copy(update={k: MODEL.__dict__[k].model_copy(update=v) for k, v in section.items()})
+    trainer = make_trainer(tmp_path, 10, model_cfg=routed)
     trainer.log_metrics = lambda record, step: logged.append(record)
     trainer.fit()
     assert len(logged) == 10 and all(metric in record for record in logged)
@@ -250,6 +245,6 @@ def test_compiled_training_matches_eager(tmp_path):
     no_dropout = MODEL.model_copy(update={"dropout": 0.0})  # compiled code draws dropout masks differently
     eager = make_trainer(tmp_path / "eager", 3, model_cfg=no_dropout, eval_every=100)
     compiled = make_trainer(tmp_path / "compiled", 3, model_cfg=no_dropout, eval_every=100, compile=True)
-    assert compiled.engine is not compiled.model  # really an OptimizedModule
+    assert compiled.engine.module is not compiled.model  # really an OptimizedModule
     losses = [[t.train_step()[0] for _ in range(3)] for t in (eager, compiled)]
     assert losses[0] == pytest.approx(losses[1], rel=1e-4)

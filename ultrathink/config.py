@@ -214,6 +214,22 @@ class ModelConfig(Section):
         return self.ffn_hidden or 64 * -(-(8 * self.d_model // 3) // 64)
 
 
+class DeepSpeedConfig(Section):
+    """train.backend: deepspeed. The DeepSpeed JSON config is generated from these and the other train.* keys
+    (micro batch, accumulation, clipping, precision): nothing to keep in step by hand."""
+
+    zero_stage: int = Field(2, ge=1, le=3, description="ZeRO stage: 1 shards optimizer state, 2 also gradients, "
+                            "3 also parameters")
+    offload_optimizer: bool = Field(False, description="keep optimizer state (and its step) in CPU memory")
+    offload_params: bool = Field(False, description="ZeRO-3 only: keep parameters in CPU memory between uses")
+
+    @model_validator(mode="after")
+    def _offload_params_needs_stage_3(self) -> "DeepSpeedConfig":
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError(f"offload_params needs zero_stage 3 (got {self.zero_stage})")
+        return self
+
+
 class TrainConfig(Section):
     seed: int = 1337
     batch_size: int = Field(16, ge=1, description="sequences per micro-batch")
@@ -238,8 +254,10 @@ class TrainConfig(Section):
     gradient_checkpointing: bool = Field(
         False, description="recompute each block's activations in backward: less memory, ~1/3 more compute")
     compile: bool = Field(False, description="torch.compile the model for training (first steps pay the compile)")
-    backend: Literal["auto", "ddp", "fsdp"] = Field(
-        "auto", description="under torchrun: ddp (DistributedDataParallel) or fsdp (FSDP2 fully_shard); auto = ddp")
+    backend: Literal["auto", "ddp", "fsdp", "deepspeed"] = Field(
+        "auto", description="under torchrun: ddp (DistributedDataParallel), fsdp (FSDP2 fully_shard) or deepspeed "
+        "(ZeRO, see train.deepspeed; also in one process); auto = ddp under torchrun, plain in one process")
+    deepspeed: DeepSpeedConfig = DeepSpeedConfig()
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="auto: bf16 autocast where this hardware runs it faster than fp32 (measured), else fp32; "
         "fp16: autocast with loss scaling, GPU only")
@@ -267,6 +285,17 @@ class TrainConfig(Section):
     def _warmup_fits(self) -> "TrainConfig":
         if self.warmup_steps > self.max_steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must not exceed max_steps ({self.max_steps})")
+        return self
+
+    @model_validator(mode="after")
+    def _deepspeed_supports(self) -> "TrainConfig":
+        if self.backend != "deepspeed":
+            return self
+        if self.optimizer == "muon":
+            raise ValueError("optimizer muon needs whole 2-D matrices, which DeepSpeed's ZeRO flattens and shards; "
+                             "use adamw or lion with backend deepspeed")
+        if self.compile:
+            raise ValueError("compile is not supported with backend deepspeed (DeepSpeed wraps the model itself)")
         return self
 
 

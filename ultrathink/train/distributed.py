@@ -5,6 +5,7 @@ environment (RANK, WORLD_SIZE, ...) says how many processes there are; each read
 
 - ddp:  DistributedDataParallel. Gradients are all-reduced after backward, so every rank holds the same model and
         optimizer state (checked before each checkpoint) and the main rank's state is everyone's.
+- deepspeed: DeepSpeed ZeRO (deepspeed_engine.py), also for a single process (a process group of one).
 - fsdp: FSDP2 (`fully_shard`, one unit per block). Parameters, gradients and optimizer state are sharded; saving
         gathers full weights (the same safetensors a single process writes) and a full optimizer state keyed by
         parameter name, and loading scatters them back, so a checkpoint does not depend on the number of ranks.
@@ -106,8 +107,9 @@ class Distributed:
         return tensor.item() / self.world_size
 
     def check_replicas(self, model: nn.Module) -> None:
-        """Raise if DDP ranks' weights differ: a checkpoint from rank 0 must stand for every rank."""
-        if self.backend != "ddp":
+        """Raise if the ranks' full copies of the weights differ (DDP, ZeRO-1/2): a checkpoint from rank 0 must
+        stand for every rank."""
+        if self.world_size == 1:
             return
         fingerprint = torch.stack([p.detach().double().sum() for p in model.parameters()]).to(self.device)
         low, high = fingerprint.clone(), fingerprint.clone()
@@ -121,7 +123,7 @@ class Distributed:
             dist.barrier()
 
     def close(self) -> None:
-        if self.world_size > 1 and dist.is_initialized():
+        if dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -137,11 +139,18 @@ def setup(backend: str) -> Distributed:
     if cuda:
         # TF32 tensor cores for fp32 matmuls: ~8x the fp32 rate at 10-bit mantissa, accurate enough for training.
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    if world_size == 1:
+    if world_size == 1 and backend != "deepspeed":
         return Distributed(device="cuda" if cuda else "cpu")
     backend = "ddp" if backend == "auto" else backend
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+    else:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator: gloo, no CUDA probing
+    group = dict(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+    if world_size == 1:  # DeepSpeed in one process still talks through a process group: one of one, no network
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")  # what DeepSpeed reads where torchrun sets it
+        dist.init_process_group(**group, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(**group)
     return Distributed(dist.get_rank(), world_size, backend, device)

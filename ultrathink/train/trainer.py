@@ -3,7 +3,6 @@ nothing of DVC, Prefect or MLflow."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -17,10 +16,10 @@ from tqdm import tqdm
 from ultrathink.config import TrainConfig
 from ultrathink.errors import StageError
 from ultrathink.train.checkpoint import CheckpointManager
-from ultrathink.train.distributed import Distributed, as_float
+from ultrathink.train.distributed import Distributed
+from ultrathink.train.engine import autocast, build_engine
 from ultrathink.train.loader import TokenWindows, eval_batches
-from ultrathink.train.optim import build_optimizers
-from ultrathink.train.precision import peak_flops, resolve_precision
+from ultrathink.train.precision import peak_flops
 from ultrathink.train.schedule import Scheduler
 
 log = logging.getLogger(__name__)
@@ -30,12 +29,6 @@ MetricsSink = Callable[[dict[str, float], int], None]
 
 class NonFiniteLossError(StageError):
     """Training produced too many non-finite losses or gradients in a row; no checkpoint was written from them."""
-
-
-def autocast(precision: str, device: str = "cpu"):
-    kind = device.split(":")[0]
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(resolve_precision(precision, kind))
-    return torch.autocast(device_type=kind, dtype=dtype) if dtype else contextlib.nullcontext()
 
 
 @torch.no_grad()
@@ -75,16 +68,14 @@ class Trainer:
         self.checkpoints, self.fingerprint = checkpoints, fingerprint
         self.log_metrics = log_metrics or (lambda metrics, step: None)
         self.dist = dist or Distributed()
-        # `engine` is what trains (the model or its data-parallel wrapper); `model` is what is saved and evaluated.
         model.to(self.dist.device)
         model.checkpoint_blocks = cfg.gradient_checkpointing
-        self.engine = self.dist.wrap(model)
-        if cfg.compile:
-            self.engine = torch.compile(self.engine)
-        # fp16 needs loss scaling so small gradients do not underflow; bf16 and fp32 do not (scaler disabled).
-        self.scaler = torch.amp.GradScaler("cuda", enabled=resolve_precision(cfg.precision, self.dist.kind) == "fp16")
-        self.optimizers = build_optimizers(model, cfg)
-        self.scheduler = Scheduler(self.optimizers, cfg)
+        # Counted before the backend wraps or shards the model (ZeRO-3 leaves each rank a slice of every tensor).
+        self.flops_per_token = model.flops_per_token()
+        # `engine` takes the steps (through the model, its DDP/FSDP wrapper or DeepSpeed); `model` is what is
+        # evaluated and saved.
+        self.engine = build_engine(model, cfg, self.dist)
+        self.scheduler = Scheduler(self.engine.optimizers, cfg)
         self.step = 0
         self.history: list[dict[str, float]] = []
         # Guard and early-stopping counters are part of the state: a resumed run must make the same decisions.
@@ -95,11 +86,10 @@ class Trainer:
     def state(self) -> dict:
         return {
             "step": self.step,
-            "optimizers": self.dist.optimizer_state(self.model, self.optimizers),
+            "engine": self.engine.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "loader": self.loader.state_dict(),
             "torch_rng": torch.get_rng_state(),
-            "grad_scaler": self.scaler.state_dict(),
             "history": self.history,
             "counters": dict(self.counters),
         }
@@ -117,49 +107,34 @@ class Trainer:
             self.dist.barrier()
             return None
         state = latest.load_state()
-        self.dist.load_model_state(self.model, latest.load_weights())
-        self.dist.load_optimizer_state(self.model, self.optimizers, state["optimizers"])
+        self.engine.load(latest, state["engine"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["loader"])
         torch.set_rng_state(state["torch_rng"])
-        self.scaler.load_state_dict(state["grad_scaler"])
         self.step, self.history, self.counters = state["step"], state["history"], dict(state["counters"])
         log.warning("resumed from %s at step %d", latest.path, self.step)
         return self.step
 
     # ---- the loop -------------------------------------------------------------------------------------------
-    def _zero_grad(self) -> None:
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
-
     def train_step(self) -> tuple[float, float] | None:
         """One optimizer step over grad_accum micro-batches: (mean loss, gradient norm before clipping), or None
         when the loss or gradient is not finite — then the update is skipped and counted."""
-        self.engine.train()
+        self.engine.module.train()
         total = 0.0
         for _ in range(self.cfg.grad_accum):
             x, y = (t.to(self.dist.device, non_blocking=True) for t in next(self.loader))
-            with autocast(self.cfg.precision, self.dist.device):
-                _, loss = self.engine(x, y)
-            self.scaler.scale(loss / self.cfg.grad_accum).backward()
+            with self.engine.autocast():
+                _, loss = self.engine.module(x, y)
+            self.engine.backward(loss)
             total += loss.item() / self.cfg.grad_accum
         total = self.dist.mean(total)  # every rank sees the same loss, so all take the same skip decision
-        for opt in self.optimizers:
-            self.scaler.unscale_(opt)  # clip the true gradient norm, not the loss-scaled one
-        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
-        grad_norm = as_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-        if not math.isfinite(total) or (not math.isfinite(grad_norm) and not self.scaler.is_enabled()):
-            self._zero_grad()
+        grad_norm, applied = self.engine.step(total)
+        if not applied:
             self._count_bad_step(total, grad_norm)
             return None
-        # Under fp16 an overflowed gradient is routine: the scaler skips that update and lowers its scale.
         self.counters["bad_in_a_row"] = 0
-        for opt in self.optimizers:
-            self.scaler.step(opt)
-        self.scaler.update()
         self.scheduler.step()
         self.model.after_optimizer_step()  # MoE selection biases and DRE thresholds move once per update
-        self._zero_grad()
         self.step += 1
         return total, grad_norm
 
@@ -175,16 +150,15 @@ class Trainer:
                 f"The last good checkpoint is kept in {self.checkpoints.directory}")
 
     def _save(self, name: str | None = None) -> None:
-        """Every rank takes part in gathering the state; only the main process writes it."""
-        self.dist.check_replicas(self.model)
+        """Every rank takes part (gathering weights, writing its shards); the main process writes the rest."""
+        self.engine.check_replicas()
         weights, state = self.full_weights(), self.state()
-        if self.dist.is_main:
-            self.checkpoints.save(self.step, self.fingerprint, self.model, state, name=name, weights=weights)
-        self.dist.barrier()
+        self.checkpoints.save(self.step, self.fingerprint, self.model, state, name=name, weights=weights,
+                              shards=self.engine.save_shards, dist=self.dist)
 
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights (gathered from all ranks under FSDP; collective there)."""
-        return self.dist.model_state(self.model)
+        """The whole model's weights (gathered from all ranks under FSDP and ZeRO-3; collective there)."""
+        return self.engine.model_state()
 
     def validate(self) -> float:
         batches = eval_batches(self.val_tokens, self.loader.seq_len, self.cfg.batch_size, self.cfg.eval_batches)
@@ -206,7 +180,6 @@ class Trainer:
         started, window_start, window_steps = time.perf_counter(), time.perf_counter(), 0
         bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step",
                    disable=None if self.dist.is_main else True, leave=False)
-        flops_per_token = self.model.flops_per_token()
         peak = peak_flops(cfg.precision, self.dist.device) * self.dist.world_size
         while self.step < cfg.max_steps and not stop:
             outcome = self.train_step()
@@ -222,7 +195,7 @@ class Trainer:
             if self.step % cfg.log_every == 0 or last:
                 elapsed = time.perf_counter() - window_start
                 record["tokens_per_second"] = window_steps * self.tokens_per_step / elapsed
-                record["mfu"] = flops_per_token * record["tokens_per_second"] / peak
+                record["mfu"] = self.flops_per_token * record["tokens_per_second"] / peak
                 window_start, window_steps = time.perf_counter(), 0
             if self.step % cfg.eval_every == 0 or last:
                 record["val_loss"] = self.validate()
@@ -240,7 +213,7 @@ class Trainer:
         if stop:
             log.warning("early stop at step %d: no val gain in %d validations; keeping the best model (val %.4f)",
                         self.step, cfg.early_stopping_patience, self.counters["best_val"])
-            self.dist.load_model_state(self.model, self.checkpoints.best().load_weights())
+            self.engine.load_weights(self.checkpoints.best().load_weights())
         seconds = time.perf_counter() - started
         trained = self.step - first_step
         best = self.counters["best_val"]

@@ -1,0 +1,106 @@
+"""How one training step is taken: forward precision, backward, clipping, the optimizer update, and the model and
+optimizer state that checkpoints carry. The trainer drives an engine; `build_engine` is the one place that picks it.
+
+- TorchEngine: a single process, DDP or FSDP2 (the wrapping is `Distributed.wrap`). autocast for bf16/fp16, a
+  gradient scaler for fp16, clipping on the true (unscaled, all-reduced) norm, our optimizers stepped directly.
+- DeepSpeedEngine (deepspeed_engine.py): ZeRO stages 1-3; DeepSpeed owns backward, accumulation, clipping,
+  precision and the sharded optimizer state, and saves that state with its own checkpoint code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from ultrathink.config import TrainConfig
+from ultrathink.train.distributed import Distributed, as_float
+from ultrathink.train.optim import build_optimizers
+from ultrathink.train.precision import resolve_precision
+
+
+def autocast(precision: str, device: str = "cpu"):
+    kind = device.split(":")[0]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(resolve_precision(precision, kind))
+    return torch.autocast(device_type=kind, dtype=dtype) if dtype else contextlib.nullcontext()
+
+
+class Engine(Protocol):
+    module: torch.nn.Module  # what the forward pass runs through (the model, or a wrapper of it)
+    optimizers: list[torch.optim.Optimizer]  # the learning-rate schedule sets their param groups' lr
+
+    def autocast(self): ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def step(self, loss: float) -> tuple[float, bool]: ...
+    def state_dict(self) -> dict: ...
+    def load(self, checkpoint, state: dict) -> None: ...
+    def model_state(self) -> dict[str, torch.Tensor]: ...
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None: ...
+    def save_shards(self, directory: Path) -> None: ...
+    def check_replicas(self) -> None: ...
+
+
+class TorchEngine:
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, dist: Distributed):
+        self.model, self.cfg, self.dist = model, cfg, dist
+        self.module = dist.wrap(model)  # before the optimizers: FSDP replaces parameters with sharded ones
+        if cfg.compile:
+            self.module = torch.compile(self.module)
+        self.optimizers = build_optimizers(model, cfg)
+        # fp16 needs loss scaling so small gradients do not underflow; bf16 and fp32 do not (scaler disabled).
+        self.scaler = torch.amp.GradScaler("cuda", enabled=resolve_precision(cfg.precision, dist.kind) == "fp16")
+
+    def autocast(self):
+        return autocast(self.cfg.precision, self.dist.device)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss / self.cfg.grad_accum).backward()
+
+    def step(self, loss: float) -> tuple[float, bool]:
+        """Clip and apply the accumulated gradients: (norm before clipping, whether the update was applied). A
+        non-finite loss or gradient skips the update. Under fp16 an overflowed gradient is routine: the scaler
+        skips that update itself and lowers its scale, and it counts as taken."""
+        for opt in self.optimizers:
+            self.scaler.unscale_(opt)  # clip the true gradient norm, not the loss-scaled one
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
+        grad_norm = as_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        applied = math.isfinite(loss) and (math.isfinite(grad_norm) or self.scaler.is_enabled())
+        if applied:
+            for opt in self.optimizers:
+                self.scaler.step(opt)
+            self.scaler.update()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        return grad_norm, applied
+
+    def state_dict(self) -> dict:
+        return {"optimizers": self.dist.optimizer_state(self.model, self.optimizers),
+                "grad_scaler": self.scaler.state_dict()}
+
+    def load(self, checkpoint, state: dict) -> None:
+        self.dist.load_model_state(self.model, checkpoint.load_weights())
+        self.dist.load_optimizer_state(self.model, self.optimizers, state["optimizers"])
+        self.scaler.load_state_dict(state["grad_scaler"])
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        return self.dist.model_state(self.model)
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        self.dist.load_model_state(self.model, weights)
+
+    def save_shards(self, directory: Path) -> None:
+        """Nothing beyond state.pt and the weights: the full optimizer state travels in state_dict()."""
+
+    def check_replicas(self) -> None:
+        self.dist.check_replicas(self.model)
+
+
+def build_engine(model: torch.nn.Module, cfg: TrainConfig, dist: Distributed) -> Engine:
+    if dist.backend == "deepspeed":
+        from ultrathink.train.deepspeed_engine import DeepSpeedEngine
+
+        return DeepSpeedEngine(model, cfg, dist)
+    return TorchEngine(model, cfg, dist)
