@@ -1,6 +1,6 @@
 """Prepare throughput and peak memory on a ~200 MB corpus (a benchmark, not a test).
 
-Builds the corpus in a temp dir from /work/shared/data/tinyshakespeare.txt (read in place, never copied into the
+Builds the corpus in a temp dir from ../shared/data/tinyshakespeare.txt (read in place, never copied into the
 repo): its paragraphs, repeated with a per-copy rotation and a copy-number prefix so that no two documents are equal,
 written as the validated-corpus JSON Lines. Trains a tokenizer on the original text, then runs the real prepare path
 (`prepare_splits`: split plan, process-pool tokenization, incremental token files, token checks) and prints MB/s,
@@ -26,7 +26,7 @@ from ultrathink.data.packing import prepare_splits  # noqa: E402
 from ultrathink.data.sources import split_paragraphs  # noqa: E402
 from ultrathink.tokenizer import train_tokenizer  # noqa: E402
 
-SOURCE = Path("/work/shared/data/tinyshakespeare.txt")
+SOURCE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"  # ../shared
 
 
 def build_corpus(path: Path, target_bytes: int) -> int:

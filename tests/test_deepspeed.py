@@ -1,0 +1,57 @@
+"""The DeepSpeed backend's config comes from params, its impossible combinations fail early, and its checkpoint
+loader never unpickles arbitrary objects. (Training with it on 2 processes: test_distributed.py.)"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from ultrathink.config import TrainConfig
+from ultrathink.train.deepspeed_engine import ds_config, safe_checkpoint_engine
+
+
+def test_config_is_generated_from_train_params():
+    cfg = TrainConfig(batch_size=4, grad_accum=3, grad_clip=0.5, backend="deepspeed",
+                      deepspeed={"zero_stage": 3, "offload_optimizer": True, "offload_params": True})
+    config = ds_config(cfg, "bf16", world_size=2)
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
+            config["train_batch_size"], config["gradient_clipping"]) == (4, 3, 24, 0.5)
+    assert config["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                           "offload_param": {"device": "cpu"}}
+    assert config["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"} and "fp16" not in config
+    fp32 = ds_config(TrainConfig(backend="deepspeed"), "fp32", world_size=1)
+    assert "torch_autocast" not in fp32 and "fp16" not in fp32 and fp32["zero_optimization"] == {"stage": 2}
+    assert ds_config(TrainConfig(backend="deepspeed"), "fp16", world_size=1)["fp16"] == {"enabled": True,
+                                                                                          "loss_scale": 0}
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"optimizer": "muon"}, "optimizer muon needs whole 2-D matrices"),
+    ({"compile": True}, "compile is not supported with backend deepspeed"),
+    ({"deepspeed": {"offload_params": True}}, "offload_params needs zero_stage 3"),
+    ({"deepspeed": {"zero_stage": 4}}, "less than or equal to 3"),
+])
+def test_impossible_combinations_fail_before_any_work(settings, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(backend="deepspeed", **settings)
+
+
+class NotAllowed:
+    """Stands for any object a tampered checkpoint could smuggle in to run code on load."""
+
+
+def test_checkpoint_loader_allows_deepspeed_state_and_refuses_other_objects(tmp_path):
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+
+    engine = safe_checkpoint_engine()
+    good = tmp_path / "optim_states.pt"
+    torch.save({"loss_scaler": LossScaler(1.0), "state": {"exp_avg": torch.ones(3)}}, good)
+    loaded = engine.load(str(good))
+    assert isinstance(loaded["loss_scaler"], LossScaler) and torch.equal(loaded["state"]["exp_avg"], torch.ones(3))
+
+    bad = tmp_path / "tampered.pt"
+    torch.save({"payload": NotAllowed()}, bad)
+    with pytest.raises(pickle.UnpicklingError, match="NotAllowed"):
+        engine.load(str(bad))
