@@ -95,7 +95,8 @@ class TorchEngine:
         """Nothing beyond state.pt and the weights: the full optimizer state travels in state_dict()."""
 
     def check_replicas(self) -> None:
-        self.dist.check_replicas(self.model)
+        if not self.dist.sharded:  # under FSDP each rank holds its own shard, not a replica
+            self.dist.check_replicas(self.model)
 
 
 def build_engine(model: torch.nn.Module, cfg: TrainConfig, dist: Distributed) -> Engine:
