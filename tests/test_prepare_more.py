@@ -12,14 +12,15 @@ from ultrathink.data.sources import load_corpus
 from ultrathink.data.token_checks import TokenCheckError, check_token_files
 from ultrathink.tokenizer import load_tokenizer, train_tokenizer
 
-SHAKESPEARE = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n" * 3
+# A play-like script (speaker lines, blank-line paragraphs), written for this test.
+SCRIPT = "Keeper:\nThe lamps are lit along the northern wall.\n\nApprentice:\nThen read, read.\n\n" * 3
 DOCS = [f"Document {i}: {'lorem ipsum dolor ' * (i % 5 + 1)}end {i}." for i in range(60)]
 
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("tok") / "tokenizer"
-    train_tokenizer(DOCS + [SHAKESPEARE], TokenizerConfig(vocab_size=320), out)
+    train_tokenizer(DOCS + [SCRIPT], TokenizerConfig(vocab_size=320), out)
     return out
 
 
@@ -76,7 +77,7 @@ def test_tail_split_over_several_documents_cuts_inside_one_at_a_line_start(tmp_p
 
 def test_long_documents_are_encoded_in_pieces_with_the_same_ids(tokenizer_dir):
     tok = load_tokenizer(tokenizer_dir)
-    text = SHAKESPEARE + "  indented line\n\n\nlast"
+    text = SCRIPT + "  indented line\n\n\nlast"
     pieces = _pieces(text, 40)
     assert len(pieces) > 3 and "".join(pieces) == text
     assert all(p.endswith("\n") and not q[0].isspace() for p, q in zip(pieces, pieces[1:]))  # cut at line starts
