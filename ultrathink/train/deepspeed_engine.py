@@ -10,8 +10,8 @@ fp16 is DeepSpeed's own fp16 mode with dynamic loss scaling (GPU only).
 
 Checkpoints go through DeepSpeed's save_checkpoint/load_checkpoint (every rank writes its shard of the optimizer
 state into the checkpoint's `deepspeed/` folder), inside our atomic, checksummed checkpoint directory. DeepSpeed's
-stock loader unpickles anything (`weights_only=False`); ours loads with `weights_only=True`, allowing only the three
-small state classes DeepSpeed itself writes.
+stock loader unpickles anything (`weights_only=False`); ours loads with `weights_only=True`, allowing only the few
+small state classes DeepSpeed itself writes (ZeRO stage, fragment addresses, loss scalers).
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from pathlib import Path
 import torch
 
 from ultrathink.config import TrainConfig
+from ultrathink.train.checkpoint import SHARDS_DIR
 from ultrathink.train.distributed import Distributed
 from ultrathink.train.optim import build_optimizers
 from ultrathink.train.precision import resolve_precision
 
-TAG = "ds"  # DeepSpeed's tag folder inside a checkpoint's deepspeed/ directory
+TAG = "ds"  # DeepSpeed's tag folder inside a checkpoint's SHARDS_DIR
 NEVER = 2**31 - 1  # DeepSpeed's own progress printing: off (the trainer prints the step line)
 
 
@@ -116,7 +117,7 @@ class DeepSpeedEngine:
         self.module.save_checkpoint(str(directory), tag=TAG, save_latest=False)
 
     def load(self, checkpoint, state: dict) -> None:
-        path, _ = self.module.load_checkpoint(str(checkpoint.path / "deepspeed"), tag=TAG, load_module_strict=True,
+        path, _ = self.module.load_checkpoint(str(checkpoint.path / SHARDS_DIR), tag=TAG, load_module_strict=True,
                                               load_optimizer_states=True, load_lr_scheduler_states=False)
         if path is None:
             raise RuntimeError(f"{checkpoint.path}: no DeepSpeed state in it (written by another backend?)")
