@@ -2,6 +2,7 @@
 checkpoints). One MLflow run per trained model carries its params, per-step curves and lineage."""
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import mlflow
@@ -11,13 +12,16 @@ from ultrathink.cli import stage_entry
 from ultrathink.config import Params
 from ultrathink.data.packing import load_split, read_meta
 from ultrathink.io import atomic_dir, atomic_write_json
-from ultrathink.lineage import lineage_tags
+from ultrathink.lineage import code_hash, directory_hash, lineage_tags
 from ultrathink.model import UltraThink
-from ultrathink.registry.tracking import load_run_id, save_run_id, start_or_resume_run
-from ultrathink.train.checkpoint import CheckpointManager
+from ultrathink.registry.tracking import load_run_id, pin_model_uri, save_run_id, start_or_resume_run
+from ultrathink.text_eval import is_mlflow_uri, resolve_model
+from ultrathink.tokenizer import tokenizer_hash
+from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.distributed import Distributed, setup
 from ultrathink.train.loader import TokenWindows
 from ultrathink.train.trainer import Trainer
+from ultrathink.train.warm_start import LINEAGE_FILE, Parent, check_optimizer, find_parent, load_parent_weights
 
 
 def flatten(prefix: str, value) -> dict[str, object]:
@@ -38,17 +42,38 @@ def cleaning_metrics(validate_report: str) -> dict[str, float]:
     return {k: float(v) for k, v in flatten("cleaning", cleaning).items() if isinstance(v, (int, float))}
 
 
-def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> Trainer:
+def resolve_parent(ref: str) -> Parent:
+    """train.init_from → the parent's local files. An alias is pinned to the version it names now, and that
+    version is what the lineage records."""
+    if is_mlflow_uri(ref):
+        pinned = pin_model_uri(ref, Path("."))
+        model_dir, tokenizer_dir = resolve_model(pinned)
+        return find_parent(model_dir, ref, lineage=pinned, tokenizer_dir=tokenizer_dir)
+    return find_parent(Path(ref), ref)
+
+
+def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[Trainer, Parent | None]:
+    """The model (warm-started when train.init_from says so, after checking that the parent fits), its data and
+    the checkpoint folder of exactly this configuration."""
     p, cfg = params.paths, params.train
     torch.manual_seed(cfg.seed)
-    prepared = Path(p.prepared_dir)
+    prepared, tokenizer_dir = Path(p.prepared_dir), Path(p.tokenizer_dir)
     meta = read_meta(prepared)
+    tokenizer_dir = tokenizer_dir if (tokenizer_dir / "tokenizer.json").is_file() else None
+    tok_sha = meta.get("tokenizer_sha256") or (tokenizer_hash(tokenizer_dir) if tokenizer_dir else None)
     model = UltraThink(params.model, meta["vocab_size"])
+    parent = resolve_parent(cfg.init_from) if cfg.init_from else None
+    if parent is not None:
+        load_parent_weights(parent, model, tok_sha, tokenizer_dir)
+        if cfg.init_optimizer:
+            check_optimizer(parent, cfg.optimizer)
     loader = TokenWindows(load_split(prepared, "train"), params.model.seq_len, cfg.batch_size, cfg.seed,
                           rank=dist.rank, world_size=dist.world_size)
-    fingerprint = cfg.resume_fingerprint(params.model, lineage_tags(params)["data_hash"])
-    return Trainer(model, loader, load_split(prepared, "val"), cfg, CheckpointManager(p.checkpoint_dir,
-                   cfg.keep_checkpoints), fingerprint, log_metrics, dist)
+    fingerprint = Fingerprint(cfg.fingerprint_params(params.model), directory_hash(prepared), code_hash(),
+                              parent.weights_sha256 if parent else "none")
+    checkpoints = CheckpointManager(p.checkpoint_dir, fingerprint, cfg.keep_checkpoints, cfg.keep_configs,
+                                    extra={"tokenizer_sha256": tok_sha, "optimizer": cfg.optimizer})
+    return Trainer(model, loader, load_split(prepared, "val"), cfg, checkpoints, log_metrics, dist), parent
 
 
 def run(params: Params) -> None:
@@ -57,10 +82,12 @@ def run(params: Params) -> None:
         torch.set_num_threads(cfg.threads)
     dist = setup(cfg.backend)
     try:
-        trainer = build_trainer(params, dist, lambda metrics, step: mlflow.log_metrics(metrics, step=step))
+        trainer, parent = build_trainer(params, dist, lambda metrics, step: mlflow.log_metrics(metrics, step=step))
         resumed = trainer.resume()
+        if resumed is None and parent is not None and cfg.init_optimizer:
+            trainer.load_optimizer_from(parent.checkpoint)
         if dist.is_main:
-            train_and_record(params, trainer, resumed)
+            train_and_record(params, trainer, resumed, parent)
         else:  # other ranks train in lockstep; the main rank alone talks to MLflow and writes files
             trainer.fit()
             trainer.full_weights()  # collective under FSDP and ZeRO-3: the main rank gathers the final weights
@@ -68,14 +95,16 @@ def run(params: Params) -> None:
         dist.close()
 
 
-def train_and_record(params: Params, trainer: Trainer, resumed: int | None) -> None:
+def train_and_record(params: Params, trainer: Trainer, resumed: int | None, parent: Parent | None) -> None:
     p = params.paths
-    run_id = load_run_id(Path(p.checkpoint_dir)) if resumed else None
+    checkpoints = trainer.checkpoints
+    run_id = load_run_id(checkpoints.directory) if resumed else None
     with start_or_resume_run(params.registry.experiment, Path("."), run_id) as run:
-        save_run_id(Path(p.checkpoint_dir), run.info.run_id)
+        save_run_id(checkpoints.directory, run.info.run_id)
         if not resumed:
             mlflow.log_params(flat_params(params))
-            mlflow.set_tags(lineage_tags(params))
+            mlflow.set_tags({**lineage_tags(params), "fingerprint": checkpoints.fingerprint.id,
+                             **(parent.tags() if parent else {})})
             mlflow.log_artifact(p.validate_report, "data")
             mlflow.log_artifact(str(Path(p.prepared_dir) / "meta.json"), "data")
             mlflow.log_artifacts(params.prepare.report_dir, "data/token_report")
@@ -87,13 +116,18 @@ def train_and_record(params: Params, trainer: Trainer, resumed: int | None) -> N
                    "tokens_per_second": round(result.tokens_per_second, 1), "params": model.num_params(),
                    "final_train_loss": result.history[-1]["train_loss"], "final_val_loss": result.history[-1].get("val_loss"),
                    "best_val_loss": result.best_val_loss, "skipped_steps": result.skipped_steps,
-                   "stopped_early": result.stopped_early}
+                   "stopped_early": result.stopped_early, "select": params.train.select,
+                   "selected_step": result.selected_step}
+        lineage = {"fingerprint": checkpoints.fingerprint.id, "parts": asdict(checkpoints.fingerprint),
+                   "tokenizer_sha256": checkpoints.extra["tokenizer_sha256"],
+                   "parent": parent.tags() if parent else None, "selected_step": result.selected_step}
         mlflow.log_metrics({"train_seconds": result.seconds, "train_tokens_per_second": result.tokens_per_second})
         weights = trainer.full_weights()
         with atomic_dir(p.model_dir) as out:
             model.save_pretrained(out, weights)
             atomic_write_json(out / "history.json", result.history)
             atomic_write_json(out / "train_summary.json", summary)
+            atomic_write_json(out / LINEAGE_FILE, lineage)
             save_run_id(out, run.info.run_id)
     print(f"train: {json.dumps(summary)}")
 

@@ -67,7 +67,7 @@ def test_missing_file_and_bad_yaml(tmp_path):
 
 def test_schema_rows_cover_every_knob():
     keys = {row[0] for row in schema_rows()}
-    assert {"train.lr", "model.d_model", "validate.min_rows", "registry.metric", "paths.model_dir"} <= keys
+    assert {"train.lr", "model.d_model", "validate.min_rows", "train.init_from", "data.txt_unit", "paths.model_dir"} <= keys
     assert {"model.moe.top_k", "model.moe.groups.knowledge", "model.dre.path"} <= keys  # nested sections too
     assert len(keys) == count_leaves(Params().model_dump(by_alias=True))
 
@@ -76,9 +76,31 @@ def count_leaves(tree) -> int:
     return sum(count_leaves(v) for v in tree.values()) if isinstance(tree, dict) else 1
 
 
-def test_resume_fingerprint_ignores_bookkeeping_only():
+def test_fingerprint_params_ignore_bookkeeping_only():
     p = Params()
-    base = p.train.resume_fingerprint(p.model, "data")
-    assert p.train.model_copy(update={"eval_every": 7}).resume_fingerprint(p.model, "data") == base
-    assert p.train.model_copy(update={"lr": 1e-4}).resume_fingerprint(p.model, "data") != base
-    assert p.train.resume_fingerprint(p.model, "other-data") != base
+    base = p.train.fingerprint_params(p.model)
+    for bookkeeping in ({"eval_every": 7}, {"select": "last"}, {"keep_configs": 9}, {"init_from": "artifacts/model"}):
+        assert p.train.model_copy(update=bookkeeping).fingerprint_params(p.model) == base
+    assert p.train.model_copy(update={"lr": 1e-4}).fingerprint_params(p.model) != base
+    assert p.train.model_copy(update={"max_steps": 600}).fingerprint_params(p.model) != base
+    assert p.train.fingerprint_params(p.model.model_copy(update={"d_model": 64})) != base
+
+
+def test_fingerprint_covers_data_code_and_parent():
+    from ultrathink.train.checkpoint import Fingerprint
+
+    base = Fingerprint("params", "data", "code")
+    assert base.id == Fingerprint("params", "data", "code", "none").id
+    for other, part in ((Fingerprint("params", "data", "code2"), "code"), (Fingerprint("params", "d2", "code"), "data"),
+                        (Fingerprint("params", "data", "code", "parent"), "parent")):
+        assert other.id != base.id and base.differences(vars(other)) == [part]
+
+
+def test_init_optimizer_without_a_parent_is_refused(tmp_path):
+    with pytest.raises(ParamsError, match="train: init_optimizer needs init_from"):
+        load_params(write(tmp_path, {"train": {"init_optimizer": True}}))
+
+
+def test_removed_registry_metric_key_is_named(tmp_path):
+    with pytest.raises(ParamsError, match="registry.metric: unknown key"):
+        load_params(write(tmp_path, {"registry": {"metric": "val_loss"}}))

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 
 from ultrathink.config import DataConfig, PrepareConfig, TokenizerConfig
-from ultrathink.data.packing import _pieces, load_split, prepare_splits, training_texts
+from ultrathink.data.packing import _pieces, load_split, prepare_splits, training_texts, val_documents
 from ultrathink.data.sources import load_corpus
 from ultrathink.data.token_checks import TokenCheckError, check_token_files
-from ultrathink.tokenizer import load_tokenizer, train_tokenizer
+from ultrathink.evaluate import encode_documents
+from ultrathink.tokenizer import load_tokenizer, tokenizer_hash, train_tokenizer
 
 # A play-like script (speaker lines, blank-line paragraphs), written for this test.
 SCRIPT = "Keeper:\nThe lamps are lit along the northern wall.\n\nApprentice:\nThen read, read.\n\n" * 3
@@ -73,6 +74,30 @@ def test_tail_split_over_several_documents_cuts_inside_one_at_a_line_start(tmp_p
     assert (meta["cut_document"], meta["cut_offset"]) == (1, 11)  # the line start before character 25 of doc 1
     assert meta["train"]["bytes"] == 61 and meta["val"]["bytes"] == 89
     assert (meta["train"]["documents"], meta["val"]["documents"]) == (2, 2)
+
+
+def test_tail_cut_at_a_document_boundary_puts_no_empty_document_in_val(tmp_path, tokenizer_dir):
+    docs = ["a" * 45, "b" * 5, "c" * 50]  # 100 characters, train gets exactly 50: the end of document 1
+    meta = prepare_splits(write_jsonl(tmp_path / "c.jsonl", docs), tokenizer_dir,
+                          PrepareConfig(split="tail", val_fraction=0.5, workers=1), tmp_path / "prep",
+                          report_dir=tmp_path / "report")
+    assert (meta["cut_document"], meta["cut_offset"]) == (2, 0)  # the whole of document 2 is val
+    assert (meta["train"]["documents"], meta["val"]["documents"]) == (2, 1)
+    assert val_documents(tmp_path / "prep") == ["c" * 50]
+
+
+def test_val_text_holds_exactly_what_val_bin_encodes(tmp_path, tokenizer_dir):
+    """val.jsonl is the evaluation text: encoded as evaluation encodes it, it gives val.bin's tokens."""
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS + [SCRIPT * 40])
+    meta = prepare_splits(corpus, tokenizer_dir, PrepareConfig(val_fraction=0.3, batch_size=7, workers=2),
+                          tmp_path / "prep")
+    docs = val_documents(tmp_path / "prep")
+    assert len(docs) == meta["val"]["documents"] and sum(len(d.encode()) for d in docs) == meta["val"]["bytes"]
+    stream = encode_documents(load_tokenizer(tokenizer_dir), docs)
+    assert stream[1:].tolist() == load_split(tmp_path / "prep", "val").tolist()
+    assert meta["tokenizer_sha256"] == tokenizer_hash(tokenizer_dir)
+    first_two = val_documents(tmp_path / "prep", max_bytes=len(docs[0].encode()) + len(docs[1].encode()))
+    assert first_two == docs[:2] and val_documents(tmp_path / "prep", max_bytes=1) == docs[:1]
 
 
 def test_long_documents_are_encoded_in_pieces_with_the_same_ids(tokenizer_dir):

@@ -113,7 +113,7 @@ def test_packing_is_deterministic_and_replaces_output(tmp_path, tokenizer_dir, d
     assert first == second
     for name in ("train.bin", "val.bin", "meta.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
-    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["meta.json", "train.bin", "val.bin", "val.jsonl"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "corpus.jsonl"]
 
 

@@ -7,7 +7,7 @@ import torch
 from ultrathink.config import ModelConfig, TrainConfig
 from ultrathink.evaluate import bits_per_byte, unigram_cross_entropy
 from ultrathink.model import UltraThink
-from ultrathink.train.checkpoint import CheckpointManager
+from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.loader import TokenWindows, eval_batches
 from ultrathink.train.optim import param_groups
 from ultrathink.train.schedule import lr_factor
@@ -23,14 +23,18 @@ def corpus(n=4000, seed=0) -> np.ndarray:
     return np.resize(cycle, n).astype(np.uint16)
 
 
-def make_trainer(tmp_path, steps, seed=0, model_cfg=MODEL, **overrides) -> Trainer:
+FP = Fingerprint("params", "data", "code")
+
+
+def make_trainer(tmp_path, steps, seed=0, model_cfg=MODEL, fingerprint=FP, **overrides) -> Trainer:
     settings = dict(max_steps=steps, batch_size=4, lr=1e-2, warmup_steps=2, eval_every=5, eval_batches=2,
                     checkpoint_every=5, log_every=5, precision="fp32", seed=seed)
     cfg = TrainConfig(**(settings | overrides))
     torch.manual_seed(seed)
     model = UltraThink(model_cfg, VOCAB)
     loader = TokenWindows(corpus(), model_cfg.seq_len, cfg.batch_size, cfg.seed)
-    return Trainer(model, loader, corpus(600, seed=0), cfg, CheckpointManager(tmp_path / "ckpt", 2), "fp")
+    checkpoints = CheckpointManager(tmp_path / "ckpt", fingerprint, 2, cfg.keep_configs, extra={"optimizer": cfg.optimizer})
+    return Trainer(model, loader, corpus(600, seed=0), cfg, checkpoints)
 
 
 @pytest.mark.parametrize("schedule, expected", [
@@ -105,23 +109,49 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
     first = make_trainer(tmp_path / "b", 20)
     while first.step < 10:  # the run that gets killed after its checkpoint at step 10
         first.train_step()
-    first.checkpoints.save(first.step, "fp", first.model, first.state())
+    first.checkpoints.save(first.step, first.model, first.state())
 
     resumed = make_trainer(tmp_path / "b", 20, seed=99)  # a different seed: everything must come from the checkpoint
-    resumed.fingerprint = "fp"
     assert resumed.resume() == 10
     resumed.fit()
     for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(a, b), name
 
 
-def test_resume_refuses_a_checkpoint_of_another_config(tmp_path):
-    trainer = make_trainer(tmp_path, 5)
-    trainer.fit()
-    other = make_trainer(tmp_path, 5)
-    other.fingerprint = "different"
-    assert other.resume() is None
-    assert other.checkpoints.latest() is None  # stale checkpoints were cleared, not mixed in
+def test_other_code_never_resumes_and_going_back_resumes_where_it_stopped(tmp_path, caplog):
+    first = make_trainer(tmp_path, 10)
+    first.fit()
+    other_code = Fingerprint("params", "data", "code-with-a-changed-line")
+    changed = make_trainer(tmp_path, 10, fingerprint=other_code)
+    with caplog.at_level("WARNING"):
+        assert changed.resume() is None
+    assert "made with other code than this run" in caplog.text and first.checkpoints.directory.name in caplog.text
+    result = changed.fit()
+    assert result.step == 10 and result.resumed_from is None  # trained every step with the new code
+    # The first configuration's checkpoints are all still there: going back resumes at its last step.
+    assert [p.name for p in sorted(first.checkpoints.directory.iterdir()) if p.name.startswith("step")] == \
+        ["step_00000005", "step_00000010"]
+    again = make_trainer(tmp_path, 10)
+    assert again.resume() == 10
+    assert all(torch.equal(a, b) for a, b in zip(first.model.state_dict().values(), again.model.state_dict().values()))
+
+
+def test_resume_false_starts_over_and_keeps_the_old_checkpoints(tmp_path):
+    make_trainer(tmp_path, 5).fit()
+    fresh = make_trainer(tmp_path, 5, resume=False)
+    assert fresh.resume() is None
+    aside = [p for p in (tmp_path / "ckpt").iterdir() if ".set-aside-" in p.name]
+    assert len(aside) == 1 and (aside[0] / "step_00000005" / "model.safetensors").is_file()
+    assert fresh.checkpoints.latest() is None
+
+
+def test_least_recently_used_configurations_beyond_keep_configs_are_removed(tmp_path):
+    folders = []
+    for i in range(4):
+        trainer = make_trainer(tmp_path, 5, fingerprint=Fingerprint(f"params{i}", "data", "code"), keep_configs=3)
+        trainer.fit()
+        folders.append(trainer.checkpoints.directory)
+    assert [f.exists() for f in folders] == [False, True, True, True]
 
 
 def test_checkpoints_keep_the_latest_and_skip_corrupt_ones(tmp_path, caplog):
@@ -154,7 +184,7 @@ def test_other_optimizers_learn_and_resume_exactly(tmp_path, optimizer):
     killed = make_trainer(tmp_path / "b", 10, optimizer=optimizer, lr=3e-3)
     while killed.step < 5:
         killed.train_step()
-    killed.checkpoints.save(killed.step, "fp", killed.model, killed.state())
+    killed.checkpoints.save(killed.step, killed.model, killed.state())
     resumed = make_trainer(tmp_path / "b", 10, optimizer=optimizer, lr=3e-3)
     assert resumed.resume() == 5
     resumed.fit()
@@ -204,6 +234,31 @@ def test_early_stopping_keeps_the_best_model(tmp_path):
     assert best.step == 10
     kept = trainer.model.state_dict()
     assert all(torch.equal(w, kept[name]) for name, w in best.load_weights().items())
+    assert result.selected_step == 10
+    # The decision survives a resume: the run stays stopped instead of training on to step 200.
+    resumed = make_trainer(tmp_path, 200, eval_every=5, early_stopping_patience=2, lr=5e-2, warmup_steps=1,
+                           min_lr_ratio=1.0)
+    assert resumed.resume() == 20
+    again = resumed.fit()
+    assert again.step == 20 and again.stopped_early and again.selected_step == 10
+
+
+def test_select_last_keeps_the_final_weights_and_best_picks_the_lowest_val(tmp_path):
+    last = make_trainer(tmp_path / "last", 15, select="last")
+    fake = iter([2.0, 1.0, 3.0])  # step 10 is best
+    last.validate = lambda: next(fake)
+    result = last.fit()
+    assert result.selected_step == 15
+    final = last.checkpoints.latest().load_weights()
+    assert all(torch.equal(w, last.model.state_dict()[n]) for n, w in final.items())
+
+    best = make_trainer(tmp_path / "best", 15, select="best")
+    fake = iter([2.0, 1.0, 3.0])
+    best.validate = lambda: next(fake)
+    assert best.fit().selected_step == 10
+    chosen = best.checkpoints.best()
+    assert chosen.step == 10
+    assert all(torch.equal(w, best.model.state_dict()[n]) for n, w in chosen.load_weights().items())
 
 
 def test_fp16_without_a_gpu_is_refused_with_a_clear_message(tmp_path):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -68,17 +70,104 @@ def run() -> None:
 @app.command("eval")
 def eval_text(model: str = typer.Option(..., "--model", "-m", help="model dir (artifacts/model) or MLflow URI "
                                         "(models:/ultrathink@champion)"),
-              text_file: Path = typer.Option(..., "--text-file", "-f", help="UTF-8 text to score")) -> None:
-    """Loss and bits per byte of a text file under a model and its own tokenizer."""
+              text_file: Path = typer.Option(..., "--text-file", "-f", help="UTF-8 text to score"),
+              params: Path = PARAMS_OPT, set_: Optional[list[str]] = SET_OPT) -> None:
+    """Loss and bits per byte of a text file under a model and its own tokenizer, scored as the evaluate stage
+    scores (the file is split into documents by data.txt_unit, e.g. -S data.txt_unit=line)."""
     from ultrathink.text_eval import evaluate_text_file
 
+    settings = _load(params, set_) if params.exists() or set_ else Params()
     try:
-        score = evaluate_text_file(model, text_file)
+        score = evaluate_text_file(model, text_file, settings.data.txt_unit)
     except StageError as exc:
         err.print(f"[bold red]eval failed:[/] {exc}", highlight=False)
         raise typer.Exit(1) from None
     print(f"loss {score.loss:.4f} nats/token  bits/byte {score.bits_per_byte:.4f}  perplexity {score.perplexity:.2f}"
-          f"  ({score.tokens:,} tokens, {score.bytes:,} bytes)")
+          f"  ({score.tokens:,} tokens, {score.bytes:,} bytes, {score.documents:,} documents)")
+
+
+registry_app = typer.Typer(no_args_is_help=True, help="The registered models: list, promote, roll back.")
+app.add_typer(registry_app, name="registry")
+MODEL_NAME_OPT = typer.Option(None, "--name", help="registered model (default: registry.model_name of params.yaml)")
+REASON_OPT = typer.Option(..., "--reason", "-r", help="why: recorded on the version as a tag")
+
+
+def _registry(name: Optional[str]):
+    """(MlflowClient on the project's store, model name)."""
+    from mlflow.tracking import MlflowClient
+
+    from ultrathink.registry.tracking import use_tracking
+
+    params = _load(Path("params.yaml"), []) if Path("params.yaml").exists() else Params()
+    use_tracking(Path("."))
+    return MlflowClient(), name or params.registry.model_name
+
+
+@registry_app.command("list")
+def registry_list(name: Optional[str] = MODEL_NAME_OPT) -> None:
+    """Every version: aliases, val_bpb and the text it was measured on, lineage, champion moves."""
+    from ultrathink.registry.champion import champion_history
+
+    client, model = _registry(name)
+    versions = sorted(client.search_model_versions(f"name='{model}'"), key=lambda v: int(v.version))
+    if not versions:
+        err.print(f"no versions of {model!r} in {client.tracking_uri}")
+        raise typer.Exit(1)
+    table = Table("version", "aliases", "val_bpb", "yardstick", "git", "data", "parent", "created", "events",
+                  title=f"{model} ({client.tracking_uri})")
+    for v in versions:
+        t = v.tags
+        yardstick = f"{t.get('yardstick_sha256', '?')[:12]} ({t.get('yardstick_bytes', '?')} B)"
+        events = "; ".join(f"{kind} {t[kind + '_at']} by {t.get(kind + '_by', '?')}: {t.get(kind + '_why', '')}"
+                           for kind in ("champion", "rolled_back") if kind + "_at" in t)
+        table.add_row(v.version, ",".join(v.aliases), f"{float(t['val_bpb']):.4f}" if "val_bpb" in t else "?",
+                      yardstick, t.get("git_commit", "?")[:8], t.get("data_hash", "?")[:12],
+                      t.get("parent_model", ""), time.strftime("%Y-%m-%d %H:%M", time.gmtime(v.creation_timestamp / 1000)),
+                      events)
+    Console(width=200).print(table)
+    print(f"champion history (oldest first): {champion_history(client, model) or 'none'}")
+
+
+@registry_app.command("promote")
+def registry_promote(version: int = typer.Argument(..., help="the version to make champion"),
+                     force: bool = typer.Option(False, "--force", help="skip the guard (the yardstick comparison)"),
+                     reason: Optional[str] = typer.Option(None, "--reason", "-r", help="why (recorded as a tag)"),
+                     name: Optional[str] = MODEL_NAME_OPT) -> None:
+    """Make VERSION champion if it beats the champion on VERSION's own yardstick text (or always, with --force)."""
+    from mlflow.exceptions import MlflowException
+
+    from ultrathink.registry.champion import RegistryError, actor, decide_and_move, version_yardstick
+
+    client, model = _registry(name)
+    try:
+        target = client.get_model_version(model, str(version))
+        if force:
+            decision = decide_and_move(client, model, version, math.nan, None, Path("."), actor(),
+                                       force_reason=reason or "no reason given")
+        else:
+            yardstick = version_yardstick(client, target)
+            decision = decide_and_move(client, model, version, float(target.tags["val_bpb"]), yardstick, Path("."),
+                                       actor())
+    except (RegistryError, KeyError, MlflowException) as exc:
+        err.print(f"[bold red]registry promote failed:[/] {getattr(exc, 'message', exc)}", highlight=False)
+        raise typer.Exit(1) from None
+    print(f"{model} v{version}: {'champion' if decision.promoted else 'not promoted'} — {decision.reason}")
+    if not decision.promoted:
+        raise typer.Exit(1)
+
+
+@registry_app.command("rollback")
+def registry_rollback(reason: str = REASON_OPT, name: Optional[str] = MODEL_NAME_OPT) -> None:
+    """Champion back to the previous champion (walks champion_history back one step per call)."""
+    from ultrathink.registry.champion import RegistryError, actor, rollback
+
+    client, model = _registry(name)
+    try:
+        old, new = rollback(client, model, Path("."), actor(), reason)
+    except RegistryError as exc:
+        err.print(f"[bold red]registry rollback failed:[/] {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    print(f"{model}: champion v{old} → v{new}")
 
 
 @app.command("params")

@@ -74,6 +74,9 @@ class DataConfig(Section):
     min_printable_ratio: float = Field(
         0.95, ge=0, le=1, description="cleaning drops documents with a lower share of printable characters")
     dedup: bool = Field(True, description="drop exact duplicate documents after the validation gate")
+    txt_unit: Literal["paragraph", "line", "file"] = Field(
+        "paragraph", description="what one document is in a .txt source (and in `ultrathink eval --text-file`): a "
+        "blank-line separated paragraph, one line (wikitext style), or the whole file")
 
     @model_validator(mode="after")
     def _clean_bounds_ordered(self) -> "DataConfig":
@@ -266,19 +269,34 @@ class TrainConfig(Section):
     checkpoint_every: int = Field(100, ge=1)
     keep_checkpoints: int = Field(2, ge=1, description="how many of the latest checkpoints to keep")
     log_every: int = Field(10, ge=1, description="steps between step lines and MLflow metric points")
-    resume: bool = Field(True, description="resume from the latest matching checkpoint")
+    keep_configs: int = Field(
+        5, ge=1, description="checkpoint folders kept under paths.checkpoint_dir, one per configuration (params, "
+        "data, code, parent): the least recently used beyond this many are removed, never the current one")
+    resume: bool = Field(True, description="resume from the latest checkpoint of this exact configuration "
+                         "(false: start over in it; checkpoints of other configurations are always kept)")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: all cores)")
+    init_from: str | None = Field(
+        None, description="warm start: the weights to begin from: a model dir (artifacts/model), a checkpoint dir "
+        "(artifacts/checkpoints/<config>/step_N or best), or an MLflow model URI (models:/ultrathink@champion, "
+        "models:/ultrathink/3, runs:/ID/model); null: random init. Architecture and tokenizer must match")
+    init_optimizer: bool = Field(
+        False, description="warm start from a checkpoint: also load its optimizer state (same optimizer and "
+        "shapes); the learning-rate schedule is always this run's")
+    select: Literal["best", "last"] = Field(
+        "best", description="which weights become paths.model_dir: best = the checkpoint with the lowest "
+        "validation loss (validation runs every eval_every steps and at the last step), last = the final step's")
 
     # Knobs that change when and how often things are recorded, not the numbers trained: a checkpoint made under
     # other values of these is still a valid point to resume from.
     BOOKKEEPING: ClassVar[frozenset[str]] = frozenset(
-        {"eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints", "log_every", "resume", "threads",
-         "max_bad_steps"})
+        {"eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints", "keep_configs", "log_every", "resume",
+         "threads", "max_bad_steps", "select", "init_from"})
 
-    def resume_fingerprint(self, model: "ModelConfig", data_hash: str) -> str:
-        """Identifies the training computation: resuming is allowed only into the same one."""
-        blob = json.dumps({"model": model.model_dump(), "train": self.model_dump(exclude=set(self.BOOKKEEPING)),
-                           "data": data_hash}, sort_keys=True)
+    def fingerprint_params(self, model: "ModelConfig") -> str:
+        """Hash of the knobs that determine the weights (bookkeeping excluded; `init_from` enters a fingerprint
+        as the parent's weights hash, not as the text that named them)."""
+        blob = json.dumps({"model": model.model_dump(), "train": self.model_dump(exclude=set(self.BOOKKEEPING))},
+                          sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     @model_validator(mode="after")
@@ -288,9 +306,18 @@ class TrainConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _init_optimizer_needs_parent(self) -> "TrainConfig":
+        if self.init_optimizer and not self.init_from:
+            raise ValueError("init_optimizer needs init_from (a checkpoint dir to take the optimizer state from)")
+        return self
+
+    @model_validator(mode="after")
     def _deepspeed_supports(self) -> "TrainConfig":
         if self.backend != "deepspeed":
             return self
+        if self.init_optimizer:
+            raise ValueError("init_optimizer is not supported with backend deepspeed (its optimizer state is "
+                             "sharded per rank); warm start the weights only")
         if self.optimizer == "muon":
             raise ValueError("optimizer muon needs whole 2-D matrices, which DeepSpeed's ZeRO flattens and shards; "
                              "use adamw or lion with backend deepspeed")
@@ -301,7 +328,9 @@ class TrainConfig(Section):
 
 class EvaluateConfig(Section):
     batch_size: int = Field(16, ge=1)
-    max_batches: int | None = Field(None, ge=1, description="cap on validation batches (default: the whole split)")
+    max_val_bytes: int | None = Field(
+        None, ge=1, description="score only the first validation documents up to this many UTF-8 bytes (whole "
+        "documents, at least one); null: the whole val split. The same text is promotion's yardstick")
     prompts: list[str] = Field(default_factory=lambda: ["The", "A class"], description="prompts for sample generations")
     max_new_tokens: int = Field(48, ge=1)
     temperature: float = Field(0.8, ge=0, description="0 means greedy")
@@ -310,9 +339,11 @@ class EvaluateConfig(Section):
 
 
 class RegistryConfig(Section):
+    """Champion decisions compare bits per byte on one text (the challenger's validation text, each model under its
+    own tokenizer): the only measure that stays comparable across tokenizers and data."""
+
     model_name: str = Field("ultrathink", min_length=1, description="registered model name in MLflow")
     experiment: str = Field("ultrathink", min_length=1)
-    metric: Literal["val_bpb", "val_loss"] = Field("val_bpb", description="lower is better; decides champion")
 
 
 class Params(Section):

@@ -7,6 +7,8 @@ is no unknown token. The literal text "<|endoftext|>" inside a document is encod
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -49,3 +51,32 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
         raise FileNotFoundError(f"no tokenizer at {path} (expected {path / 'tokenizer.json'}); train it first")
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
+
+
+def tokenizer_hash(tokenizer_dir: str | Path) -> str:
+    """Identity of a tokenizer: its vocabulary, merges and special tokens (not the file's formatting)."""
+    spec = _spec(tokenizer_dir)
+    identity = {"model": spec.get("model"),
+                "added_tokens": [(t["id"], t["content"]) for t in spec.get("added_tokens", [])]}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def vocab_difference(a_dir: str | Path, b_dir: str | Path, show: int = 3) -> str:
+    """How two tokenizers' vocabularies differ, for an error message: sizes and the first ids that differ."""
+    a, b = (_vocab(d) for d in (a_dir, b_dir))
+    differing = [i for i in range(max(len(a), len(b))) if a.get(i) != b.get(i)]
+    if not differing:
+        return f"same {len(a)} tokens, other merges"
+    shown = ", ".join(f"id {i}: {a.get(i)!r} vs {b.get(i)!r}" for i in differing[:show])
+    return f"{len(a)} vs {len(b)} tokens, {len(differing)} ids differ ({shown})"
+
+
+def _spec(tokenizer_dir: str | Path) -> dict:
+    return json.loads((Path(tokenizer_dir) / "tokenizer.json").read_text(encoding="utf-8"))
+
+
+def _vocab(tokenizer_dir: str | Path) -> dict[int, str]:
+    spec = _spec(tokenizer_dir)
+    vocab = {i: token for token, i in (spec.get("model", {}).get("vocab") or {}).items()}
+    vocab.update({t["id"]: t["content"] for t in spec.get("added_tokens", [])})
+    return vocab

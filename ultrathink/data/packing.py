@@ -32,10 +32,11 @@ from tqdm import tqdm
 from ultrathink.config import PrepareConfig
 from ultrathink.data.token_checks import check_token_files
 from ultrathink.io import atomic_dir
-from ultrathink.tokenizer import load_tokenizer
+from ultrathink.tokenizer import load_tokenizer, tokenizer_hash
 
 SPLITS = ("train", "val")
 META_FILE = "meta.json"
+VAL_TEXT_FILE = "val.jsonl"  # the val documents' text, one {"text": ...} per line: what evaluation scores
 _MAX_PIECE_CHARS = 1 << 20  # longer documents are encoded piece by piece (ids unchanged; see _pieces)
 _BATCH_CHARS = 4 << 20  # a batch also ends after this many characters, so a few huge documents stay bounded
 
@@ -86,7 +87,8 @@ def prepare_splits(corpus_jsonl: Path, tokenizer_dir: Path, cfg: PrepareConfig, 
     meta.json: dtype, vocab_size, eos_id, val_fraction, split (hash|tail) with moved_last_document_to (hash: the
     split that received the last document because hashing left it empty, else None) or cut_document/cut_offset
     (tail), and per split: tokens, bytes (UTF-8 bytes of the documents' text, the bits-per-byte denominator) and
-    documents. The token files are checked before they replace `out_dir` (ids < vocab, no empty documents, no
+    documents, and tokenizer_sha256 (ultrathink.tokenizer.tokenizer_hash). val.jsonl holds the text of the val
+    documents (the cut document's val part is one), each as encoded into val.bin. The token files are checked before they replace `out_dir` (ids < vocab, no empty documents, no
     document in both splits); the check's report goes to `report_dir` when given, and a failed check raises
     TokenCheckError, leaving `out_dir` untouched.
     """
@@ -98,7 +100,8 @@ def prepare_splits(corpus_jsonl: Path, tokenizer_dir: Path, cfg: PrepareConfig, 
     with atomic_dir(out_dir) as tmp:
         _write_token_files(corpus_jsonl, plan, cfg, Path(tokenizer_dir), tmp, dtype, stats)
         meta = {"dtype": dtype.name, "vocab_size": len(tokenizer), "eos_id": tokenizer.eos_token_id,
-                "val_fraction": cfg.val_fraction, **plan.describe(), **stats}
+                "tokenizer_sha256": tokenizer_hash(tokenizer_dir), "val_fraction": cfg.val_fraction,
+                **plan.describe(), **stats}
         check_token_files(tmp, meta, tokenizer, report_dir)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")  # last: marks the output complete
     return meta
@@ -119,7 +122,9 @@ def plan_splits(corpus_jsonl: Path, cfg: PrepareConfig) -> SplitPlan:
         raise ValueError(f"{corpus_jsonl}: {lengths.sum()} character(s); train and val need at least one each")
     target = int(lengths.sum() * (1 - cfg.val_fraction)) or 1  # characters that go to train
     ends = np.cumsum(lengths)
-    cut_document = int(np.searchsorted(ends, target))  # the document holding character number `target`
+    # The document holding character number `target` (0-based): the first whose end lies beyond it. (side="left"
+    # picked the document ending exactly at the cut, leaving val an empty piece of it.)
+    cut_document = int(np.searchsorted(ends, target, side="right"))
     offset = target - int(ends[cut_document] - lengths[cut_document])
     text = next(t for i, t in enumerate(read_texts(corpus_jsonl)) if i == cut_document)
     line_start = text.rfind("\n", 0, offset) + 1  # cut at a line start when the document has one before the cut
@@ -152,6 +157,22 @@ def load_split(prepared_dir: Path, split: str) -> np.memmap:
         raise ValueError(f"{prepared_dir}/{split}.bin holds {len(tokens)} tokens, meta.json says "
                          f"{meta[split]['tokens']}: the files do not belong together; re-run prepare")
     return tokens
+
+
+def val_documents(prepared_dir: Path, max_bytes: int | None = None) -> list[str]:
+    """The val split's documents as text (val.jsonl), in order; with `max_bytes`, the first ones that fit in
+    that many UTF-8 bytes (at least one)."""
+    path = Path(prepared_dir) / VAL_TEXT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {VAL_TEXT_FILE} in {prepared_dir}: re-run the prepare stage")
+    documents, total = [], 0
+    for text in read_texts(path):
+        size = len(text.encode("utf-8"))
+        if documents and max_bytes is not None and total + size > max_bytes:
+            break
+        documents.append(text)
+        total += size
+    return documents
 
 
 def split_fraction(text: str) -> float:
@@ -192,14 +213,22 @@ def _write_token_files(corpus_jsonl: Path, plan: SplitPlan, cfg: PrepareConfig, 
     workers = cfg.workers or os.cpu_count() or 1
     with ExitStack() as stack:
         files = {split: stack.enter_context(open(out / f"{split}.bin", "wb")) for split in SPLITS}
+        val_text = stack.enter_context(open(out / VAL_TEXT_FILE, "w", encoding="utf-8"))
         bar = stack.enter_context(tqdm(total=corpus_jsonl.stat().st_size, unit="B", unit_scale=True,
                                        desc="prepare", disable=None))
         batches = _batches(corpus_jsonl, plan, cfg.batch_size, bar)
-        for encoded in _encode_in_order(batches, tokenizer_dir, dtype, workers, stack):
+        pending = ""  # val text of a document whose last piece is still to come
+        for batch, encoded in _encode_in_order(batches, tokenizer_dir, dtype, workers, stack):
             for split, (ids, counts) in zip(SPLITS, encoded):
                 files[split].write(ids.tobytes())
                 for key, value in counts.items():
                     stats[split][key] += value
+            for text, is_val, ends in zip(batch.texts, batch.in_val, batch.ends):
+                if is_val:
+                    pending += text
+                    if ends:
+                        val_text.write(json.dumps({"text": pending}, ensure_ascii=False) + "\n")
+                        pending = ""
 
 
 def _batches(corpus_jsonl: Path, plan: SplitPlan, size: int, progress) -> Iterator[_Batch]:
@@ -240,12 +269,12 @@ def _pieces(text: str, max_chars: int) -> list[str]:
 
 
 def _encode_in_order(batches: Iterator[_Batch], tokenizer_dir: Path, dtype: np.dtype, workers: int,
-                     stack: ExitStack) -> Iterator[tuple]:
-    """Encoded batches in input order. With several workers, a process pool with at most 2 batches per worker in
+                     stack: ExitStack) -> Iterator[tuple[_Batch, tuple]]:
+    """(batch, its encoding) in input order. With several workers, a process pool with at most 2 batches per worker in
     flight (Pool.imap would read the whole corpus ahead into its queue); with one, in this process."""
     if workers == 1:
         _init_worker(tokenizer_dir, dtype)
-        yield from map(_encode_batch, batches)
+        yield from ((batch, _encode_batch(batch)) for batch in batches)
         return
     # fork: workers start at once with the modules already imported; spawn where fork does not exist.
     context = get_context("fork" if "fork" in get_all_start_methods() else "spawn")
@@ -253,11 +282,13 @@ def _encode_in_order(batches: Iterator[_Batch], tokenizer_dir: Path, dtype: np.d
                                                    initargs=(tokenizer_dir, dtype)))
     pending: deque = deque()
     for batch in batches:
-        pending.append(pool.submit(_encode_batch, batch))
+        pending.append((batch, pool.submit(_encode_batch, batch)))
         if len(pending) >= 2 * workers:
-            yield pending.popleft().result()
+            done, future = pending.popleft()
+            yield done, future.result()
     while pending:
-        yield pending.popleft().result()
+        done, future = pending.popleft()
+        yield done, future.result()
 
 
 _worker: dict = {}  # per process: the backend tokenizer, EOS id and dtype, set once by _init_worker

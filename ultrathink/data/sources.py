@@ -5,7 +5,7 @@ A source is one string (`data.source` or a `data.mixture` entry's `source`):
   hf:NAME               a Hugging Face dataset: `datasets.load_dataset(NAME, data.hf_config, split=data.split)`;
                         offline, it must already be in the local Hugging Face cache
   a directory           a dataset saved with `save_to_disk` (read with `load_from_disk`)
-  a file or a glob      .txt (blank-line separated paragraphs), .json, .jsonl, .parquet or .csv; paths are relative
+  a file or a glob      .txt (one document per paragraph, line or file: data.txt_unit), .json, .jsonl, .parquet or .csv; paths are relative
                         to the project root; a glob's files are read in sorted order and must share one format
 `data.streaming` reads datasets-backed sources (hub, json/jsonl/parquet/csv, save_to_disk) as an IterableDataset:
 rows are read lazily, no Arrow cache is written, and `max_samples` stops reading early.
@@ -54,6 +54,7 @@ class SourceSpec:
     hf_config: str | None = None
     split: str = "train"
     streaming: bool = False
+    txt_unit: str = "paragraph"
 
 
 def load_corpus(cfg: DataConfig, root: Path = Path(".")) -> pd.DataFrame:
@@ -61,7 +62,7 @@ def load_corpus(cfg: DataConfig, root: Path = Path(".")) -> pd.DataFrame:
     `cfg.max_samples` rows: the first ones of a single source, a seeded weighted draw for a mixture."""
     if cfg.mixture:
         return _load_mixture(cfg, Path(root))
-    spec = SourceSpec(cfg.source, cfg.text_column, cfg.hf_config, cfg.split, cfg.streaming)
+    spec = SourceSpec(cfg.source, cfg.text_column, cfg.hf_config, cfg.split, cfg.streaming, cfg.txt_unit)
     return _frame(read_source(spec, Path(root), cfg.max_samples))
 
 
@@ -77,6 +78,18 @@ def read_source(spec: SourceSpec, root: Path, limit: int | None = None) -> list[
 def split_paragraphs(text: str) -> list[str]:
     """Blank-line separated paragraphs, stripped, empty ones dropped: the unit of one document."""
     return [p for p in (part.strip() for part in _BLANK_LINE.split(text)) if p]
+
+
+def split_documents(text: str, unit: str) -> list[str]:
+    """A .txt file's documents (data.txt_unit): paragraphs, non-blank lines or the whole file, each stripped of
+    surrounding whitespace. The separators are not part of any document: no model is scored on them."""
+    if unit == "paragraph":
+        return split_paragraphs(text)
+    if unit == "line":
+        return [line for line in (raw.strip() for raw in text.splitlines()) if line]
+    if unit == "file":
+        return [text.strip()] if text.strip() else []
+    raise ValueError(f"unknown txt unit {unit!r}; expected paragraph, line or file")
 
 
 def embedded_paragraphs() -> list[str]:
@@ -104,7 +117,7 @@ def _load_mixture(cfg: DataConfig, root: Path) -> pd.DataFrame:
     mixture is as large as the scarcest component allows (relative to its weight), so no document repeats.
     """
     specs = [SourceSpec(m.source, m.text_column or cfg.text_column, m.hf_config, m.split or cfg.split,
-                        cfg.streaming) for m in cfg.mixture]
+                        cfg.streaming, cfg.txt_unit) for m in cfg.mixture]
     shares = np.array([m.weight for m in cfg.mixture], dtype=float)
     shares /= shares.sum()
     if cfg.max_samples is not None:
@@ -166,16 +179,16 @@ def _read_local(spec: SourceSpec, root: Path, limit: int | None) -> list[str | N
                           "format in data.mixture")
     suffix = suffixes[0]
     if suffix == ".txt":
-        return list(islice((p for f in files for p in _read_txt(f)), limit))
+        return list(islice((p for f in files for p in _read_txt(f, spec.txt_unit)), limit))
     if suffix in DATASET_BUILDERS:
         return _read_files(files, DATASET_BUILDERS[suffix], spec, limit)
     raise CorpusError(f"{files[0]}: unsupported corpus format {suffix!r}; supported: {', '.join(SUPPORTED_SUFFIXES)}")
 
 
-def _read_txt(path: Path) -> list[str]:
-    """A plain UTF-8 text file, split into paragraphs the same way as the embedded corpus."""
+def _read_txt(path: Path, unit: str) -> list[str]:
+    """A plain UTF-8 text file, split into documents by `unit` (paragraphs: as the embedded corpus)."""
     try:
-        return split_paragraphs(path.read_text(encoding="utf-8"))
+        return split_documents(path.read_text(encoding="utf-8"), unit)
     except UnicodeDecodeError as exc:
         raise CorpusError(f"{path}: not valid UTF-8 at byte {exc.start}: {exc.reason}") from None
 

@@ -1,13 +1,13 @@
 """Log a trained model to MLflow, register it, and decide whether it becomes the champion.
 
-Every promoted model becomes a new registered version with alias `challenger`. Alias `champion` moves to it
-only if its metric (lower is better) beats the current champion's, so `models:/<name>@champion` always names the
-best model seen so far. Aliases replace MLflow's deprecated stages.
+Every promoted model becomes a new registered version with alias `challenger`, tagged with its lineage, its bits
+per byte and the yardstick text that was measured on (logged in its run). Alias `champion` moves to it only if it
+beats the current champion on that same text (ultrathink.registry.champion), so `models:/<name>@champion` names the
+better of the two on the data the new model was validated on. Aliases replace MLflow's deprecated stages.
 """
 
 from __future__ import annotations
 
-import math
 import tempfile
 import warnings
 from importlib.metadata import version as installed_version
@@ -15,7 +15,6 @@ from pathlib import Path
 
 import mlflow
 from mlflow.entities.model_registry import ModelVersion
-from mlflow.exceptions import MlflowException
 from mlflow.models import ModelSignature
 from mlflow.tracking import MlflowClient
 from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
@@ -23,12 +22,15 @@ from packaging.version import Version
 
 import ultrathink
 from ultrathink.config import EvaluateConfig, RegistryConfig
+from ultrathink.evaluate import Yardstick, score_documents
 from ultrathink.io import atomic_write_json
+from ultrathink.model import UltraThink
 from ultrathink.model.export import ExportError, export_hf
-from ultrathink.registry.tracking import BAD_VALUE, NOT_FOUND, start_or_resume_run
-
-CHAMPION = "champion"
-CHALLENGER = "challenger"
+from ultrathink.model.model import WEIGHTS_FILE
+from ultrathink.registry.champion import CHALLENGER, CHAMPION, YARDSTICK_ARTIFACT, actor, decide_and_move
+from ultrathink.registry.tracking import start_or_resume_run
+from ultrathink.tokenizer import load_tokenizer
+from ultrathink.train.checkpoint import sha256
 PACKAGE_DIR = Path(ultrathink.__file__).parent
 # Passed to MLflow by path, never imported here: importing it would call set_model and load torch for nothing.
 PYFUNC_FILE = Path(__file__).with_name("pyfunc_model.py")
@@ -87,44 +89,6 @@ def log_pyfunc(model_dir: Path, tokenizer_dir: Path, eval_cfg: EvaluateConfig):
         )
 
 
-def _metric_of(client: MlflowClient, version: ModelVersion, metric: str) -> float | None:
-    """A version's metric: from its tag, else from its run's metrics, else None."""
-    try:
-        return float(version.tags[metric])
-    except (KeyError, ValueError):
-        pass
-    try:
-        return client.get_run(version.run_id).data.metrics.get(metric) if version.run_id else None
-    except MlflowException as exc:
-        if exc.error_code in (NOT_FOUND, BAD_VALUE):
-            return None
-        raise
-
-
-def _current_champion(client: MlflowClient, name: str) -> ModelVersion | None:
-    """The champion version, or None if there is none yet. A store failure raises rather than reading as
-    "no champion", which would promote the new model unchecked."""
-    try:
-        return client.get_model_version_by_alias(name, CHAMPION)
-    except MlflowException as exc:
-        if exc.error_code in (NOT_FOUND, BAD_VALUE):
-            return None
-        raise
-
-
-def _decide(value: float, previous: float | None, champion: ModelVersion | None, metric: str) -> tuple[bool, str]:
-    """(promote?, why). A diverged (non-finite) model never becomes champion."""
-    if not math.isfinite(value):
-        return False, f"{metric}={value} is not finite"
-    if champion is None:
-        return True, "no champion yet"
-    if previous is None or not math.isfinite(previous):
-        return True, f"champion v{champion.version} has no usable {metric}"
-    if value < previous:
-        return True, f"{metric} {value:.6g} < champion v{champion.version}'s {previous:.6g}"
-    return False, f"{metric} {value:.6g} is not lower than champion v{champion.version}'s {previous:.6g}"
-
-
 def _ensure_run_metrics(metrics: dict[str, float]) -> None:
     """Log the eval metrics if the active run lacks them (a fresh run, when the train run was not found)."""
     run = mlflow.active_run()
@@ -146,31 +110,48 @@ def log_hf_export(model_dir: Path, tokenizer_dir: Path) -> str:
     return f"runs:/{mlflow.active_run().info.run_id}/hf_export"
 
 
-def promote(model_dir: Path, tokenizer_dir: Path, metrics: dict[str, float], cfg: RegistryConfig,
-            eval_cfg: EvaluateConfig, tags: dict[str, str], run_id: str | None, root: Path) -> dict:
-    """Log, register and tag a new version, alias it `challenger`, and move `champion` to it if it is better.
+def registered_version(client: MlflowClient, name: str, run_id: str, model_sha256: str) -> ModelVersion | None:
+    """The version this run already registered for these exact weights: a retried promote reuses it rather than
+    registering the same model twice."""
+    for version in client.search_model_versions(f"name='{name}' and run_id='{run_id}'"):
+        if version.tags.get("model_sha256") == model_sha256:
+            return version
+    return None
 
-    Returns the decision as a JSON-serialisable dict (written to reports/promotion.json by the stage).
-    """
-    if cfg.metric not in metrics:
-        raise ValueError(f"metric {cfg.metric!r} missing from metrics (have: {', '.join(sorted(metrics))})")
-    value = float(metrics[cfg.metric])
+
+def promote(model_dir: Path, tokenizer_dir: Path, yardstick: Yardstick, cfg: RegistryConfig,
+            eval_cfg: EvaluateConfig, tags: dict[str, str], run_id: str | None, root: Path,
+            known_bpb: float | None = None) -> dict:
+    """Register the model as a new version (alias `challenger`), score it and the current champion on the same
+    yardstick, and move `champion` to it only if it is better (compare-and-set, see registry.champion).
+
+    `known_bpb`: the model's bits per byte on this very yardstick when already measured (the evaluate stage's
+    val_bpb, with the same yardstick sha256), else it is scored here. Returns the decision as a JSON-serialisable
+    dict (written to reports/promotion.json by the stage)."""
+    model_dir, tokenizer_dir = Path(model_dir), Path(tokenizer_dir)
+    if known_bpb is None:
+        model = UltraThink.from_pretrained(model_dir)
+        known_bpb = score_documents(model, load_tokenizer(tokenizer_dir), yardstick.documents).bits_per_byte
+    bpb = float(known_bpb)
+    weights_sha = sha256(model_dir / WEIGHTS_FILE)
     with start_or_resume_run(cfg.experiment, root, run_id) as run:
-        _ensure_run_metrics(metrics)
-        info = log_pyfunc(Path(model_dir), Path(tokenizer_dir), eval_cfg)
-        hf_export = log_hf_export(Path(model_dir), Path(tokenizer_dir))
-        version_tags = {**{k: str(v) for k, v in tags.items()}, cfg.metric: repr(value), "hf_export": hf_export}
-        version = mlflow.register_model(info.model_uri, cfg.model_name, tags=version_tags)
-    client = MlflowClient()
-    client.set_registered_model_alias(cfg.model_name, CHALLENGER, version.version)
-    champion = _current_champion(client, cfg.model_name)
-    previous = _metric_of(client, champion, cfg.metric) if champion else None
-    promoted, reason = _decide(value, previous, champion, cfg.metric)
-    if promoted:
-        client.set_registered_model_alias(cfg.model_name, CHAMPION, version.version)
+        client = MlflowClient()
+        _ensure_run_metrics({"val_bpb": bpb})
+        version = registered_version(client, cfg.model_name, run.info.run_id, weights_sha)
+        if version is None:
+            mlflow.log_text(yardstick.jsonl(), YARDSTICK_ARTIFACT)
+            info = log_pyfunc(model_dir, tokenizer_dir, eval_cfg)
+            hf_export = log_hf_export(model_dir, tokenizer_dir)
+            version_tags = {**{k: str(v) for k, v in tags.items()}, "val_bpb": repr(bpb),
+                            "yardstick_sha256": yardstick.sha256, "yardstick_bytes": str(yardstick.bytes),
+                            "model_sha256": weights_sha, "hf_export": hf_export}
+            version = mlflow.register_model(info.model_uri, cfg.model_name, tags=version_tags)
+    number = int(version.version)
+    client.set_registered_model_alias(cfg.model_name, CHALLENGER, str(number))
+    decision = decide_and_move(client, cfg.model_name, number, bpb, yardstick, root, by=f"promote stage ({actor()})")
     return {
-        "model_name": cfg.model_name, "version": int(version.version), "run_id": run.info.run_id,
-        "metric": cfg.metric, "value": value,
-        "previous_champion_version": int(champion.version) if champion else None,
-        "previous_value": previous, "promoted": promoted, "reason": reason, "hf_export": hf_export,
+        "model_name": cfg.model_name, "version": number, "run_id": run.info.run_id,
+        "yardstick": yardstick.describe(), "value": bpb, "metric": "val_bpb",
+        "previous_champion_version": decision.champion_version, "previous_value": decision.champion_bpb,
+        "promoted": decision.promoted, "reason": decision.reason, "hf_export": version.tags.get("hf_export"),
     }

@@ -1,5 +1,12 @@
 """Where MLflow keeps runs, and how one trained model keeps one run across stages.
 
+One store wherever a stage runs: an explicit MLFLOW_TRACKING_URI wins; otherwise the project's own SQLite store in
+the original repository, found from DVC's DVC_ROOT (which DVC sets to the original root even inside the temporary
+copy of a `dvc exp run --queue` or `--temp` experiment) or from a working directory under `<root>/.dvc/tmp/exps/`.
+So a sweep's runs and versions land in the store the MLflow UI shows, and a run carries the DVC experiment's name
+and baseline commit as tags. A new SQLite store is created by one process at a time (two processes that create the
+same new file at once corrupt it).
+
 The train stage opens a run and leaves its id next to the weights (`mlflow_run.json`). The evaluate and promote
 stages are separate processes (DVC runs each stage on its own), so they re-open that run by id: one run then
 carries the params, the per-step curves, the eval metrics and the logged model, which is what a reader of the
@@ -16,10 +23,12 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import mlflow
+from filelock import FileLock
 from mlflow.entities import LifecycleStage
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from ultrathink.errors import StageError
 from ultrathink.io import atomic_write_json
 
 RUN_FILE = "mlflow_run.json"
@@ -31,20 +40,59 @@ ARTIFACT_DIR = "mlartifacts"
 _REMOTE_SCHEMES = {"http", "https", "databricks", "databricks-uc", "uc"}
 
 
+def project_root(root: Path) -> Path:
+    """The repository whose store this process writes to: DVC_ROOT (the original repository, also inside a DVC
+    experiment's temporary copy), else the part of `root` before `.dvc/tmp/exps/`, else `root` itself."""
+    root = Path(root).resolve()
+    dvc_root = os.environ.get("DVC_ROOT")
+    if dvc_root and Path(dvc_root).is_dir():
+        return Path(dvc_root).resolve()
+    parts = root.parts
+    for i in range(len(parts) - 2):
+        if parts[i : i + 3] == (".dvc", "tmp", "exps"):
+            return Path(*parts[:i])
+    return root
+
+
 def default_tracking_uri(root: Path) -> str:
-    """MLFLOW_TRACKING_URI if the user set one, else a SQLite file in the project root.
+    """MLFLOW_TRACKING_URI if the user set one, else a SQLite file in the project's root.
 
     SQLite rather than ./mlruns files because the model registry (aliases, versions) needs a database backend.
     """
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(root).resolve() / DB_FILE}"
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{project_root(root) / DB_FILE}"
 
 
 def use_tracking(root: Path) -> str:
-    """Point this process's MLflow client at the project's store; returns the URI in use."""
+    """Point this process's MLflow client at the project's store (created first if new); returns the URI."""
     uri = default_tracking_uri(root)
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
+    _create_store_once(uri)
     return uri
+
+
+def _create_store_once(uri: str) -> None:
+    """Create (migrate) a SQLite store under a lock: two processes creating one new file at once leave it broken
+    ("table _alembic_tmp_tags already exists"), as two queued DVC experiments starting together would."""
+    parsed = urlparse(uri)
+    if parsed.scheme != "sqlite":
+        return
+    db = Path(parsed.path[1:])  # sqlite:////absolute/path or sqlite:///relative/path
+    if str(db) in _CREATED:
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(db) + ".create.lock", timeout=600):
+        MlflowClient(uri, uri).search_registered_models(max_results=1)  # runs the migrations of both stores
+    _CREATED.add(str(db))
+
+
+_CREATED: set[str] = set()  # stores this process has opened under the lock
+
+
+def experiment_tags() -> dict[str, str]:
+    """The DVC experiment a stage runs in (`dvc exp run`, queued or not): its name and baseline commit."""
+    names = {"DVC_EXP_NAME": "dvc_exp_name", "DVC_EXP_BASELINE_REV": "dvc_exp_baseline_rev"}
+    return {tag: os.environ[var] for var, tag in names.items() if os.environ.get(var)}
 
 
 def _local_store(uri: str) -> bool:
@@ -54,14 +102,14 @@ def _local_store(uri: str) -> bool:
 def ensure_experiment(name: str, root: Path) -> str:
     """The id of experiment `name`, creating it (or restoring it from the bin) when needed.
 
-    With a local store, artifacts go to `<root>/mlartifacts`: MLflow's own default is `./mlruns` relative to
-    whatever the working directory happens to be, which scatters model files around.
+    With a local store, artifacts go to `<project root>/mlartifacts`: MLflow's own default is `./mlruns` relative
+    to whatever the working directory happens to be (a DVC experiment's temporary copy, deleted after the run).
     """
     uri = use_tracking(root)
     client = MlflowClient()
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
-        location = (Path(root).resolve() / ARTIFACT_DIR).as_uri() if _local_store(uri) else None
+        location = (project_root(root) / ARTIFACT_DIR).as_uri() if _local_store(uri) else None
         return client.create_experiment(name, artifact_location=location)
     if experiment.lifecycle_stage == LifecycleStage.DELETED:
         warnings.warn(f"MLflow experiment {name!r} was deleted; restoring it", stacklevel=2)
@@ -91,7 +139,8 @@ def start_or_resume_run(experiment: str, root: Path, run_id: str | None = None,
     if run_id:
         warnings.warn(f"MLflow run {run_id} is unknown to {mlflow.get_tracking_uri()}; starting a new run",
                       stacklevel=2)
-    return mlflow.start_run(experiment_id=experiment_id, run_name=run_name)
+    return mlflow.start_run(experiment_id=experiment_id, run_name=run_name or os.environ.get("DVC_EXP_NAME"),
+                            tags=experiment_tags())
 
 
 def save_run_id(model_dir: Path, run_id: str) -> Path:
@@ -107,3 +156,19 @@ def load_run_id(model_dir: Path) -> str | None:
     if not path.exists():
         return None
     return json.loads(path.read_text()).get("run_id")
+
+
+def pin_model_uri(uri: str, root: Path) -> str:
+    """`models:/NAME@ALIAS` → `models:/NAME/VERSION`, the version the alias names now (so what is loaded and what
+    lineage records are one version); other URIs unchanged."""
+    if not uri.startswith("models:/") or "@" not in uri:
+        return uri
+    name, alias = uri.removeprefix("models:/").split("@", 1)
+    use_tracking(root)
+    try:
+        version = MlflowClient().get_model_version_by_alias(name, alias)
+    except MlflowException as exc:
+        if exc.error_code in (NOT_FOUND, BAD_VALUE):
+            raise StageError(f"{uri}: no version of {name!r} has alias {alias!r} in {mlflow.get_tracking_uri()}") from None
+        raise
+    return f"models:/{name}/{version.version}"

@@ -1,6 +1,13 @@
-"""Checkpoints that survive a crash mid-write and never unpickle arbitrary objects.
+"""Checkpoints that survive a crash mid-write, never unpickle arbitrary objects, and are never lost to another run.
 
-A checkpoint is a directory `step_00000100/` holding
+Each configuration keeps its own folder, `<checkpoint_dir>/<fingerprint>/`, where the fingerprint hashes everything
+that determines the weights: the params that are not bookkeeping, the packed data, the training code and the warm
+start's parent weights. A run resumes only from its own folder; going back to an earlier configuration (git checkout,
+`dvc exp apply`) finds that configuration's folder where it was left. `fingerprint.json` in each folder names its
+parts and when it was last used; the least recently used folders beyond `train.keep_configs` are removed, never the
+one in use.
+
+A checkpoint is a directory `step_00000100/` (or `best/`) in that folder, holding
   model.safetensors + config.json   the weights (safetensors: no pickle),
   state.pt                          optimizer, scheduler, RNG states, loader position, history: tensors and plain
                                     containers only, read back with torch.load(weights_only=True),
@@ -20,8 +27,9 @@ import logging
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +42,7 @@ from ultrathink.train.distributed import Distributed
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+FINGERPRINT_FILE = "fingerprint.json"
 STATE_FILE = "state.pt"
 SHARDS_DIR = "deepspeed"
 BEST = "best"
@@ -49,11 +58,30 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+@dataclass(frozen=True)
+class Fingerprint:
+    """What determines the weights a run computes; a checkpoint is resumed only by the same fingerprint."""
+
+    params: str  # TrainConfig.fingerprint_params: model and train knobs, bookkeeping excluded
+    data: str  # hash of the packed token files (and so of the tokenizer)
+    code: str  # hash of the training code (ultrathink.lineage.TRAINING_CODE)
+    parent: str = "none"  # sha256 of the warm start's weights
+
+    @property
+    def id(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+    def differences(self, other: dict) -> list[str]:
+        """Names of the parts where `other` (a fingerprint.json's parts) differs: e.g. ['code', 'params']."""
+        return [f.name for f in fields(self) if other.get(f.name) != getattr(self, f.name)]
+
+
 @dataclass
 class Checkpoint:
     path: Path
     step: int
     fingerprint: str
+    manifest: dict
 
     def load_state(self) -> dict[str, Any]:
         return torch.load(self.path / STATE_FILE, map_location="cpu", weights_only=True)
@@ -62,11 +90,25 @@ class Checkpoint:
         return load_file(self.path / WEIGHTS_FILE)
 
 
-class CheckpointManager:
-    def __init__(self, directory: str | Path, keep: int):
-        self.directory, self.keep = Path(directory), keep
+@dataclass
+class ConfigFolder:
+    """The checkpoint folder of one configuration, as found on disk."""
 
-    def save(self, step: int, fingerprint: str, model, state: dict[str, Any], name: str | None = None,
+    path: Path
+    parts: dict
+    last_used: float
+
+
+class CheckpointManager:
+    """The checkpoints of one configuration (`root/<fingerprint.id>/`), beside those of others under `root`."""
+
+    def __init__(self, root: str | Path, fingerprint: Fingerprint, keep: int, keep_configs: int = 5,
+                 extra: dict | None = None):
+        self.root, self.fingerprint, self.keep, self.keep_configs = Path(root), fingerprint, keep, keep_configs
+        self.directory = self.root / fingerprint.id
+        self.extra = extra or {}  # recorded in every manifest (e.g. the tokenizer's hash, the optimizer)
+
+    def save(self, step: int, model, state: dict[str, Any], name: str | None = None,
              weights: dict[str, torch.Tensor] | None = None, shards: Callable[[Path], None] | None = None,
              dist: Distributed | None = None) -> Path:
         """Write `step_<step>/` (or `name/`, e.g. the best checkpoint, kept apart from the last N). `weights`:
@@ -88,7 +130,7 @@ class CheckpointManager:
                 shards(tmp / SHARDS_DIR)
                 dist.barrier()
             if dist.is_main:
-                self._commit(tmp, final, step, fingerprint, model, state, weights)
+                self._commit(tmp, final, step, model, state, weights)
         except BaseException:
             if dist.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -96,18 +138,63 @@ class CheckpointManager:
         dist.barrier()
         return final
 
-    def _commit(self, tmp: Path, final: Path, step: int, fingerprint: str, model, state: dict[str, Any],
+    def _commit(self, tmp: Path, final: Path, step: int, model, state: dict[str, Any],
                 weights: dict[str, torch.Tensor] | None) -> None:
         model.save_pretrained(tmp, weights)
         torch.save(state, tmp / STATE_FILE)
         files = {str(p.relative_to(tmp)): sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
-        manifest = {"step": step, "fingerprint": fingerprint, "files": files}
+        manifest = {"step": step, "fingerprint": self.fingerprint.id, "parts": asdict(self.fingerprint), **self.extra,
+                    "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         _fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        self.mark_used()
         self._prune()
+        self._prune_configs()
+
+    def mark_used(self) -> None:
+        """Record this configuration's parts and the time, which orders folders for `train.keep_configs`."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        record = {"fingerprint": self.fingerprint.id, "parts": asdict(self.fingerprint), "last_used": time.time()}
+        tmp = self.directory / f".{FINGERPRINT_FILE}{PARTIAL}"
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        os.replace(tmp, self.directory / FINGERPRINT_FILE)
+
+    def others(self) -> list[ConfigFolder]:
+        """Checkpoint folders of other configurations, most recently used first."""
+        found = []
+        for path in self.root.iterdir() if self.root.is_dir() else []:
+            record = path / FINGERPRINT_FILE
+            if path == self.directory or not record.is_file():
+                continue
+            try:
+                data = json.loads(record.read_text())
+                found.append(ConfigFolder(path, data.get("parts", {}), float(data.get("last_used", 0))))
+            except (OSError, ValueError):
+                continue  # a folder being written by another process, or not ours
+        return sorted(found, key=lambda f: f.last_used, reverse=True)
+
+    def _prune_configs(self) -> None:
+        for folder in self.others()[self.keep_configs - 1 :]:
+            log.warning("removing checkpoint folder %s: least recently used beyond train.keep_configs=%d",
+                        folder.path, self.keep_configs)
+            shutil.rmtree(folder.path, ignore_errors=True)
+
+    def set_aside(self) -> Path | None:
+        """Move this configuration's checkpoints to `<id>.set-aside-<time>` (kept, not resumed): a fresh start
+        (train.resume: false) must not later resume from a mix of the old run's and the new run's steps."""
+        if not self.directory.exists():
+            return None
+        aside = self.root / f"{self.fingerprint.id}.set-aside-{time.strftime('%Y%m%dT%H%M%S')}"
+        os.replace(self.directory, aside)
+        record = aside / FINGERPRINT_FILE
+        if record.is_file():  # an ordinary folder of another configuration from now on (counted by keep_configs)
+            data = json.loads(record.read_text())
+            data["parts"] = {**data.get("parts", {}), "set_aside": aside.name}
+            record.write_text(json.dumps(data, indent=2) + "\n")
+        return aside
 
     def _step_dirs(self) -> list[tuple[int, Path]]:
         if not self.directory.exists():
@@ -126,8 +213,7 @@ class CheckpointManager:
         for step, path in self._step_dirs():
             problem = _verify(path)
             if problem is None:
-                manifest = json.loads((path / MANIFEST).read_text())
-                return Checkpoint(path, step, manifest["fingerprint"])
+                return _checkpoint(path)
             log.warning("checkpoint %s is unusable (%s); falling back to an older one", path, problem)
         return None
 
@@ -135,13 +221,25 @@ class CheckpointManager:
         path = self.directory / BEST
         if not path.exists() or _verify(path) is not None:
             return None
-        manifest = json.loads((path / MANIFEST).read_text())
-        return Checkpoint(path, manifest["step"], manifest["fingerprint"])
+        return _checkpoint(path)
 
-    def clear(self) -> None:
-        for _, path in self._step_dirs():
-            shutil.rmtree(path)
-        shutil.rmtree(self.directory / BEST, ignore_errors=True)
+
+def is_checkpoint(path: Path) -> bool:
+    return (Path(path) / MANIFEST).is_file() and (Path(path) / STATE_FILE).is_file()
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """A checkpoint directory, verified against its manifest (ValueError naming the problem otherwise)."""
+    path = Path(path)
+    problem = _verify(path)
+    if problem is not None:
+        raise ValueError(f"checkpoint {path} is unusable: {problem}")
+    return _checkpoint(path)
+
+
+def _checkpoint(path: Path) -> Checkpoint:
+    manifest = json.loads((path / MANIFEST).read_text())
+    return Checkpoint(path, manifest["step"], manifest["fingerprint"], manifest)
 
 
 def _verify(path: Path) -> str | None:

@@ -82,6 +82,9 @@ class TorchEngine:
 
     def load(self, checkpoint, state: dict) -> None:
         self.dist.load_model_state(self.model, checkpoint.load_weights())
+        self.load_optimizer(state)
+
+    def load_optimizer(self, state: dict) -> None:
         self.dist.load_optimizer_state(self.model, self.optimizers, state["optimizers"])
         self.scaler.load_state_dict(state["grad_scaler"])
 

@@ -58,14 +58,15 @@ class TrainResult:
     skipped_steps: int = 0
     best_val_loss: float | None = None
     stopped_early: bool = False
+    selected_step: int = 0  # the step whose weights the model holds after fit (train.select)
 
 
 class Trainer:
     def __init__(self, model: torch.nn.Module, train_loader: TokenWindows, val_tokens: np.ndarray,
-                 cfg: TrainConfig, checkpoints: CheckpointManager, fingerprint: str,
+                 cfg: TrainConfig, checkpoints: CheckpointManager,
                  log_metrics: MetricsSink | None = None, dist: Distributed | None = None):
         self.model, self.loader, self.val_tokens, self.cfg = model, train_loader, val_tokens, cfg
-        self.checkpoints, self.fingerprint = checkpoints, fingerprint
+        self.checkpoints = checkpoints
         self.log_metrics = log_metrics or (lambda metrics, step: None)
         self.dist = dist or Distributed()
         model.to(self.dist.device)
@@ -78,8 +79,10 @@ class Trainer:
         self.scheduler = Scheduler(self.engine.optimizers, cfg)
         self.step = 0
         self.history: list[dict[str, float]] = []
-        # Guard and early-stopping counters are part of the state: a resumed run must make the same decisions.
-        self.counters = {"skipped": 0, "bad_in_a_row": 0, "evals_without_gain": 0, "best_val": math.inf}
+        # Guard and early-stopping counters are part of the state: a resumed run must make the same decisions
+        # (an early-stopped run stays stopped).
+        self.counters = {"skipped": 0, "bad_in_a_row": 0, "evals_without_gain": 0, "best_val": math.inf,
+                         "stopped_early": False}
         self.tokens_per_step = cfg.batch_size * cfg.grad_accum * train_loader.seq_len * self.dist.world_size
 
     # ---- checkpoint state -------------------------------------------------------------------------------------
@@ -95,25 +98,44 @@ class Trainer:
         }
 
     def resume(self) -> int | None:
-        """Continue from the latest intact checkpoint made with the same config; otherwise start clean."""
+        """Continue from the latest intact checkpoint of this configuration; otherwise start fresh. Checkpoints
+        of other configurations are never resumed and never deleted here."""
+        if not self.cfg.resume:
+            aside = self.checkpoints.set_aside() if self.dist.is_main else None
+            self.dist.barrier()
+            if aside:
+                log.warning("train.resume is false: starting over; this configuration's earlier checkpoints are "
+                            "kept in %s", aside)
+            return None
         latest = self.checkpoints.latest()
         if latest is None:
-            return None
-        if not self.cfg.resume or latest.fingerprint != self.fingerprint:
-            why = "train.resume is false" if not self.cfg.resume else "its config differs from this run's"
-            log.warning("not resuming from %s: %s; starting fresh", latest.path, why)
-            if self.dist.is_main:
-                self.checkpoints.clear()
-            self.dist.barrier()
+            self._explain_fresh_start()
             return None
         state = latest.load_state()
         self.engine.load(latest, state["engine"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["loader"])
         torch.set_rng_state(state["torch_rng"])
-        self.step, self.history, self.counters = state["step"], state["history"], dict(state["counters"])
+        self.step, self.history = state["step"], state["history"]
+        self.counters.update(state["counters"])
         log.warning("resumed from %s at step %d", latest.path, self.step)
         return self.step
+
+    def _explain_fresh_start(self) -> None:
+        """One line on why the newest checkpoint on disk is not resumed (another configuration's)."""
+        others = self.checkpoints.others()
+        if not others:
+            return
+        newest = others[0]
+        differs = self.checkpoints.fingerprint.differences(newest.parts) or ["settings"]
+        log.warning("not resuming from %s: made with other %s than this run (configuration %s); it is kept "
+                    "(train.keep_configs=%d); starting fresh", newest.path, " and ".join(differs),
+                    self.checkpoints.fingerprint.id, self.cfg.keep_configs)
+
+    def load_optimizer_from(self, checkpoint) -> None:
+        """Warm start: take a checkpoint's optimizer state (the schedule stays this run's). TorchEngine only: the
+        schema refuses train.init_optimizer with DeepSpeed, whose optimizer state is sharded per rank."""
+        self.engine.load_optimizer(checkpoint.load_state()["engine"])
 
     # ---- the loop -------------------------------------------------------------------------------------------
     def train_step(self) -> tuple[float, float] | None:
@@ -153,7 +175,7 @@ class Trainer:
         """Every rank takes part (gathering weights, writing its shards); the main process writes the rest."""
         self.engine.check_replicas()
         weights, state = self.full_weights(), self.state()
-        self.checkpoints.save(self.step, self.fingerprint, self.model, state, name=name, weights=weights,
+        self.checkpoints.save(self.step, self.model, state, name=name, weights=weights,
                               shards=self.engine.save_shards, dist=self.dist)
 
     def full_weights(self) -> dict[str, torch.Tensor]:
@@ -172,11 +194,12 @@ class Trainer:
             return False
         self.counters["evals_without_gain"] += 1
         patience = self.cfg.early_stopping_patience
-        return patience is not None and self.counters["evals_without_gain"] >= patience
+        self.counters["stopped_early"] = patience is not None and self.counters["evals_without_gain"] >= patience
+        return self.counters["stopped_early"]
 
     def fit(self) -> TrainResult:
         """Train up to cfg.max_steps from the current step (call resume() first to continue a checkpoint)."""
-        cfg, first_step, stop = self.cfg, self.step, False
+        cfg, first_step, stop = self.cfg, self.step, bool(self.counters["stopped_early"])
         started, window_start, window_steps = time.perf_counter(), time.perf_counter(), 0
         bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step",
                    disable=None if self.dist.is_main else True, leave=False)
@@ -211,15 +234,26 @@ class Trainer:
                 self._save()
         bar.close()
         if stop:
-            log.warning("early stop at step %d: no val gain in %d validations; keeping the best model (val %.4f)",
+            log.warning("early stop at step %d: no val gain in %d validations (best val %.4f)",
                         self.step, cfg.early_stopping_patience, self.counters["best_val"])
-            self.engine.load_weights(self.checkpoints.best().load_weights())
+        selected = self._select_weights()
         seconds = time.perf_counter() - started
         trained = self.step - first_step
         best = self.counters["best_val"]
         return TrainResult(self.step, first_step or None, self.history, seconds,
                            trained * self.tokens_per_step / seconds if seconds else 0.0,
-                           self.counters["skipped"], best if math.isfinite(best) else None, stop)
+                           self.counters["skipped"], best if math.isfinite(best) else None, stop, selected)
+
+    def _select_weights(self) -> int:
+        """train.select: load the best checkpoint's weights (lowest validation loss) unless the model already
+        holds them, or keep the last step's. Returns the step whose weights the model now holds."""
+        best = self.checkpoints.best() if self.cfg.select == "best" else None
+        if best is None or best.step == self.step:
+            return self.step
+        log.warning("train.select=best: the model is step %d's (val %.4f), not the last step %d's",
+                    best.step, self.counters["best_val"], self.step)
+        self.engine.load_weights(best.load_weights())
+        return best.step
 
 
 def step_line(step: int, total: int, r: dict[str, float]) -> str:

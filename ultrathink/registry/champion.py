@@ -1,0 +1,207 @@
+"""Who is champion, and every move of the alias: guarded by one yardstick, serialised, recorded, reversible.
+
+- One yardstick: two versions are compared only by their bits per byte on the same text (a version's validation
+  text, logged with it as `yardstick/yardstick.jsonl`), each under its own tokenizer (ultrathink.evaluate).
+- Compare-and-set: a decision and the alias move it leads to happen under one lock (a file beside the SQLite store,
+  so every process on this machine that promotes into that store takes turns), and the champion is re-read right
+  before the move; if it changed meanwhile, the decision is taken again against the new champion.
+- Every move is recorded: the version gets `champion_at`, `champion_by` and `champion_why` tags, and the
+  registered model's `champion_history` tag lists the champions in order, which `rollback` walks back.
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import math
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import mlflow
+from filelock import FileLock
+from mlflow.entities.model_registry import ModelVersion
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from ultrathink.errors import StageError
+from ultrathink.evaluate import Yardstick, score_documents
+from ultrathink.registry.tracking import BAD_VALUE, NOT_FOUND
+
+log = logging.getLogger(__name__)
+
+CHAMPION = "champion"
+CHALLENGER = "challenger"
+HISTORY_TAG = "champion_history"  # registered-model tag: versions that became champion, oldest first
+YARDSTICK_ARTIFACT = "yardstick/yardstick.jsonl"  # in a version's run: the text its val_bpb was measured on
+LOCK_WAIT_SECONDS = 1800
+_MAX_RETRIES = 5
+_HISTORY_KEEP = 200  # entries of champion_history kept (a tag value is limited in size)
+
+
+class RegistryError(StageError):
+    """A registry command cannot do what it was asked; the message says why and what to do."""
+
+
+@dataclass
+class Decision:
+    promoted: bool
+    reason: str
+    champion_version: int | None  # the champion the challenger was compared with (None: there was none)
+    champion_bpb: float | None  # its score on the yardstick (None: none, or it could not be scored)
+
+
+def actor() -> str:
+    try:
+        return f"{getpass.getuser()}@{socket.gethostname()}"
+    except (KeyError, OSError):
+        return socket.gethostname()
+
+
+def lock_path(tracking_uri: str, root: Path) -> Path:
+    """The file that serialises champion moves: beside a SQLite store, else in the project (a remote server's
+    clients on other machines are then ordered only by the re-read before each move)."""
+    parsed = urlparse(tracking_uri)
+    if parsed.scheme == "sqlite":  # sqlite:///relative.db or sqlite:////absolute.db (SQLAlchemy's convention)
+        return Path(parsed.path[1:]).with_suffix(".champion.lock")
+    return Path(root).resolve() / ".ultrathink" / "champion.lock"
+
+
+def champion_lock(root: Path) -> FileLock:
+    path = lock_path(mlflow.get_tracking_uri(), root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(path), timeout=LOCK_WAIT_SECONDS)
+
+
+def current_champion(client: MlflowClient, name: str) -> ModelVersion | None:
+    """The champion version, or None if there is none yet. A store failure raises rather than reading as
+    "no champion", which would promote the new model unchecked."""
+    try:
+        return client.get_model_version_by_alias(name, CHAMPION)
+    except MlflowException as exc:
+        if exc.error_code in (NOT_FOUND, BAD_VALUE):
+            return None
+        raise
+
+
+def score_version(client: MlflowClient, name: str, version: int, yardstick: Yardstick) -> float:
+    """Bits per byte of a registered version on `yardstick`, under the version's own tokenizer."""
+    from ultrathink.model import UltraThink
+    from ultrathink.text_eval import resolve_model
+    from ultrathink.tokenizer import load_tokenizer
+
+    model_dir, tokenizer_dir = resolve_model(f"models:/{name}/{version}")
+    model = UltraThink.from_pretrained(model_dir)
+    return score_documents(model, load_tokenizer(tokenizer_dir), yardstick.documents).bits_per_byte
+
+
+def version_yardstick(client: MlflowClient, version: ModelVersion) -> Yardstick:
+    """The text a version was measured on, from its run's artifacts."""
+    import json
+
+    try:
+        local = mlflow.artifacts.download_artifacts(run_id=version.run_id, artifact_path=YARDSTICK_ARTIFACT)
+    except (MlflowException, OSError) as exc:
+        raise RegistryError(f"version {version.version} has no yardstick text ({YARDSTICK_ARTIFACT} in run "
+                            f"{version.run_id}): {exc}") from None
+    lines = Path(local).read_text(encoding="utf-8").splitlines()
+    return Yardstick(tuple(json.loads(line)["text"] for line in lines if line.strip()))
+
+
+def judge(client: MlflowClient, name: str, version: int, bpb: float, yardstick: Yardstick,
+          champion: ModelVersion | None, score: Callable[[int], float]) -> Decision:
+    """Should `version` (bpb on `yardstick`) take over from `champion`? The champion is scored on the same text;
+    if it cannot be, it is kept and the decision says why."""
+    if not math.isfinite(bpb):
+        return Decision(False, f"val_bpb={bpb} is not finite", _number(champion), None)
+    if champion is None:
+        return Decision(True, "no champion yet", None, None)
+    theirs = int(champion.version)
+    if theirs == version:
+        return Decision(True, f"v{version} is already champion", theirs, bpb)
+    try:
+        champion_bpb = score(theirs)
+    except Exception as exc:  # noqa: BLE001 - whatever broke, the champion is not silently beaten
+        return Decision(False, f"champion v{theirs} could not be scored on the yardstick ({type(exc).__name__}: "
+                        f"{exc}); it stays champion (override: ultrathink registry promote {version} --force)",
+                        theirs, None)
+    if not math.isfinite(champion_bpb):
+        return Decision(True, f"champion v{theirs} scores {champion_bpb} on the yardstick", theirs, champion_bpb)
+    if bpb < champion_bpb:
+        return Decision(True, f"val_bpb {bpb:.6g} < champion v{theirs}'s {champion_bpb:.6g} on the same text",
+                        theirs, champion_bpb)
+    return Decision(False, f"val_bpb {bpb:.6g} is not lower than champion v{theirs}'s {champion_bpb:.6g} on the "
+                    "same text", theirs, champion_bpb)
+
+
+def decide_and_move(client: MlflowClient, name: str, version: int, bpb: float, yardstick: Yardstick, root: Path,
+                    by: str, force_reason: str | None = None) -> Decision:
+    """Under the champion lock: judge `version` against the current champion (unless forced) and move the alias
+    when it wins. The champion is re-read right before the move; if another process moved it, judge again."""
+    with champion_lock(root):
+        for _ in range(_MAX_RETRIES):
+            champion = current_champion(client, name)
+            if force_reason is not None:
+                decision = Decision(True, f"forced: {force_reason}", _number(champion), None)
+            else:
+                decision = judge(client, name, version, bpb, yardstick, champion,
+                                 lambda v: score_version(client, name, v, yardstick))
+            if not decision.promoted or _number(champion) == version:
+                return decision
+            if _number(current_champion(client, name)) == _number(champion):  # compare ...
+                move_champion(client, name, version, by, decision.reason)  # ... and set
+                return decision
+            log.warning("champion of %s moved while v%s was judged; judging again", name, version)
+    raise RegistryError(f"the champion of {name!r} kept moving while v{version} was judged ({_MAX_RETRIES} tries)")
+
+
+def move_champion(client: MlflowClient, name: str, version: int, by: str, why: str,
+                  history: list[int] | None = None) -> None:
+    """Point `champion` at `version` and record who, when and why (call under champion_lock). `history`: the
+    champion_history to leave (default: the current one with `version` appended)."""
+    client.set_registered_model_alias(name, CHAMPION, str(version))
+    _record(client, name, version, "champion", by, why)
+    history = [*champion_history(client, name), version] if history is None else history
+    client.set_registered_model_tag(name, HISTORY_TAG, ",".join(map(str, history[-_HISTORY_KEEP:])))
+
+
+def _record(client: MlflowClient, name: str, version: int, event: str, by: str, why: str) -> None:
+    """Tags `<event>_at`, `<event>_by`, `<event>_why` on a version."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    for key, value in (("at", stamp), ("by", by), ("why", why[:4000])):
+        client.set_model_version_tag(name, str(version), f"{event}_{key}", value)
+
+
+def champion_history(client: MlflowClient, name: str) -> list[int]:
+    tags = client.get_registered_model(name).tags
+    return [int(v) for v in tags.get(HISTORY_TAG, "").split(",") if v.strip()]
+
+
+def rollback(client: MlflowClient, name: str, root: Path, by: str, why: str) -> tuple[int, int]:
+    """Champion back to the one before it in champion_history: (from version, to version). The version rolled
+    back from is tagged `rolled_back_at/by/why` and leaves the history, so a second rollback goes further back."""
+    with champion_lock(root):
+        champion = current_champion(client, name)
+        if champion is None:
+            raise RegistryError(f"{name!r} has no champion to roll back from")
+        current = int(champion.version)
+        history = champion_history(client, name)
+        while history and history[-1] == current:
+            history.pop()
+        live = {int(v.version) for v in client.search_model_versions(f"name='{name}'")}
+        while history and history[-1] not in live:  # a deleted version cannot be champion again
+            history.pop()
+        if not history:
+            raise RegistryError(f"{name!r}: no earlier champion than v{current} is recorded (champion_history); "
+                                f"choose one with `ultrathink registry promote VERSION --force`")
+        target = history[-1]
+        _record(client, name, current, "rolled_back", by, why)
+        move_champion(client, name, target, by, f"rollback from v{current}: {why}", history=history)
+        return current, target
+
+
+def _number(version: ModelVersion | None) -> int | None:
+    return int(version.version) if version is not None else None
