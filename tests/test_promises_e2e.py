@@ -1,0 +1,184 @@
+"""The pipeline's promises under the changes users make next, end to end with real DVC and MLflow (SQLite):
+change the code, switch the data and back, change a knob and go back, warm start from the champion, score the same
+text two ways, and sweep with queued DVC experiments into the project's one store.
+
+Each test works on its own copy of one trained baseline project (a `dvc repro` of the tiny pipeline), so they pass
+alone and in any order."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from test_pipeline_e2e import client_for, make_project, ran_stages, set_params, sh
+
+pytestmark = pytest.mark.slow  # several minutes of real DVC runs: run by `make test`; `-m "not slow"` skips them
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> Path:
+    project = make_project(tmp_path_factory.mktemp("baseline"))
+    sh(["dvc", "repro"], project)
+    sh(["git", "add", "-A"], project)
+    sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline run"], project)
+    return project
+
+
+@pytest.fixture
+def project(baseline, tmp_path) -> Path:
+    """A copy of the trained baseline. The store's experiment keeps the baseline's artifact folder (an absolute
+    path), so the copy's new runs write their files there: fine for a test, nothing reads them across copies."""
+    copy = tmp_path / "project"
+    shutil.copytree(baseline, copy, symlinks=True)
+    return copy
+
+
+def metrics(project: Path) -> dict:
+    return json.loads((project / "reports/metrics.json").read_text())
+
+
+def decision(project: Path) -> dict:
+    return json.loads((project / "reports/promotion.json").read_text())
+
+
+def weights(project: Path) -> dict:
+    return load_file(project / "artifacts/model/model.safetensors")
+
+
+def test_a_code_change_retrains_and_never_publishes_the_old_weights(project):
+    before = weights(project)
+    model_py = project / "ultrathink/model/model.py"
+    source = model_py.read_text()
+    # The sign in apply_rotary: one line of the model's math.
+    edited = source.replace("torch.cat([-x[..., half:], x[..., :half]], dim=-1)",
+                            "torch.cat([x[..., half:], -x[..., :half]], dim=-1)")
+    assert edited != source, "the rotary line to edit was not found"
+    model_py.write_text(edited)
+    done = sh(["dvc", "repro"], project)
+    assert ran_stages(done.stdout) == ["train", "evaluate", "promote"]
+    log = done.stdout + done.stderr
+    assert "not resuming from" in log and "made with other code" in log
+    summary = json.loads((project / "artifacts/model/train_summary.json").read_text())
+    assert summary["resumed_from"] is None and summary["steps"] == 12
+    after = weights(project)
+    assert any(not (before[k] == after[k]).all() for k in before)
+    # The first configuration's checkpoints are still there, next to the new one's.
+    folders = [p for p in (project / "artifacts/checkpoints").iterdir() if (p / "fingerprint.json").is_file()]
+    assert len(folders) == 2 and all(any(f.glob("step_*")) for f in folders)
+
+
+def test_a_detour_to_another_corpus_and_back_lets_the_real_model_win_again(project):
+    easy = [f"item {i % 7} is in box {i % 3}." for i in range(400)]
+    (project / "data/raw/easy.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in easy))
+    real_params = (project / "params.yaml").read_text()
+    set_params(project, {"data": {"source": "data/raw/easy.jsonl", "max_samples": None, "dedup": False},
+                         "validate": {"max_duplicate_fraction": 1.0}})
+    sh(["dvc", "repro"], project)
+    detour = decision(project)
+    assert detour["version"] == 2 and detour["yardstick"]["sha256"] != ""
+    # Compared on the easy corpus' own validation text: the easy model wins there, and only there.
+    assert detour["promoted"] and detour["previous_value"] > detour["value"]
+
+    (project / "params.yaml").write_text(real_params)
+    done = sh(["dvc", "repro"], project)
+    # DVC brings the real-data model back from its run-cache; promotion is never restored, it judges again. The
+    # same weights from the same run are the same registered version (v1), not a copy.
+    assert "promote" in ran_stages(done.stdout)
+    back = decision(project)
+    assert back["version"] == 1 and back["promoted"], back
+    assert back["previous_champion_version"] == 2 and back["previous_value"] > back["value"]
+    assert back["yardstick"]["sha256"] == metrics(project)["yardstick_sha256"] != detour["yardstick"]["sha256"]
+    assert int(client_for(project).get_model_version_by_alias("ultrathink", "champion").version) == 1
+
+
+def test_a_longer_schedule_keeps_earlier_checkpoints_and_going_back_resumes(project):
+    first = {p.name for p in (project / "artifacts/checkpoints").iterdir()}
+    done = sh(["dvc", "exp", "run", "-S", "train.max_steps=18"], project)
+    assert ran_stages(done.stdout)[:1] == ["train"]
+    folders = {p.name for p in (project / "artifacts/checkpoints").iterdir()}
+    assert first < folders  # a new folder beside the first, which is intact
+    (original,) = [project / "artifacts/checkpoints" / name for name in first if not name.startswith(".")]
+    assert sorted(p.name for p in original.glob("step_*")) == ["step_00000006", "step_00000012"]
+    set_params(project, {"train": {"max_steps": 12}})
+    back = sh(["python", "-m", "tasks.train"], project)
+    assert "resumed from" in back.stderr and "at step 12" in back.stderr
+    summary = json.loads((project / "artifacts/model/train_summary.json").read_text())
+    assert summary["resumed_from"] == 12 and summary["steps"] == 12
+
+
+def test_warm_start_from_the_champion_beats_a_cold_start_at_equal_steps(project):
+    cold = metrics(project)["val_loss"]  # the baseline: 12 steps from a random init
+    champion = client_for(project).get_model_version_by_alias("ultrathink", "champion")
+    done = sh(["dvc", "exp", "run", "-S", "train.init_from=models:/ultrathink@champion"], project)
+    assert ran_stages(done.stdout) == ["train", "evaluate", "promote"]
+    assert "warm start from models:/ultrathink@champion" in done.stderr
+    warm = metrics(project)["val_loss"]
+    assert warm < cold - 0.05, (warm, cold)
+    version = client_for(project).get_model_version("ultrathink", str(decision(project)["version"]))
+    assert version.tags["parent_model"] == f"models:/ultrathink/{champion.version}"
+    assert version.tags["parent_sha256"] == json.loads(
+        (project / "artifacts/model/lineage.json").read_text())["parent"]["parent_sha256"]
+
+
+def test_a_mismatched_warm_start_fails_before_training_naming_the_tensors(project):
+    set_params(project, {"train": {"init_from": "artifacts/model"}, "model": {"d_model": 48, "n_heads": 2}})
+    failed = sh(["python", "-m", "tasks.train"], project, check=False)
+    message = " ".join(failed.stderr.split())  # the console wraps long lines
+    assert failed.returncode == 1
+    assert "does not fit model.* of this run" in message
+    assert "blocks.0.attn.q_proj.weight (32, 32) vs (48, 48)" in message
+    assert "step 1" not in failed.stdout + failed.stderr
+
+
+def test_the_stage_and_eval_agree_on_the_same_text(project):
+    docs = [json.loads(line)["text"] for line in (project / "data/prepared/val.jsonl").read_text().splitlines()]
+    (project / "val.txt").write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+    out = sh(["ultrathink", "eval", "--model", "artifacts/model", "--text-file", "val.txt"], project).stdout
+    bpb = float(out.split("bits/byte")[1].split()[0])
+    stage = metrics(project)
+    assert abs(bpb - stage["val_bpb"]) <= 0.005 * stage["val_bpb"], (bpb, stage["val_bpb"])
+    assert f"{int(stage['val_tokens_scored']):,} tokens" in out
+
+
+def test_queued_sweep_lands_in_the_project_store_and_the_best_is_champion(project):
+    before = {v.version for v in client_for(project).search_model_versions("name='ultrathink'")}
+    sh(["dvc", "exp", "run", "--queue", "-S", "train.lr=0.002,0.03", "-S", "train.max_steps=8",
+        "-S", "train.warmup_steps=2"], project)
+    sh(["dvc", "queue", "start", "-j", "2"], project)
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline:
+        status = sh(["dvc", "queue", "status"], project).stdout
+        if "Queued" not in status and "Running" not in status:
+            break
+        time.sleep(5)
+    assert status.count("Success") == 2, status + sh(["dvc", "queue", "logs", "--help"], project).stdout[:0]
+    client = client_for(project)
+    versions = [v for v in client.search_model_versions("name='ultrathink'") if v.version not in before]
+    assert len(versions) == 2
+    runs = {v.version: client.get_run(v.run_id) for v in versions}
+    names = {r.data.tags.get("dvc_exp_name") for r in runs.values()}
+    assert None not in names and len(names) == 2
+    assert all(r.data.tags.get("dvc_exp_baseline_rev") for r in runs.values())
+    assert not list((project / ".dvc/tmp/exps").rglob("mlflow.db"))  # nothing written into the copies' stores
+    # Both were judged on the same held-out text: the one with the lower score there is champion.
+    scores = {v.version: float(v.tags["val_bpb"]) for v in versions}
+    assert len({v.tags["yardstick_sha256"] for v in versions}) == 1
+    champion = client.get_model_version_by_alias("ultrathink", "champion").version
+    best = min(scores, key=scores.get)
+    assert champion == best or float(client.get_model_version("ultrathink", champion).tags["val_bpb"]) <= scores[best]
+    # dvc exp show carries each experiment's MLflow run id; applying the winner reproduces without retraining.
+    shown = sh(["dvc", "exp", "show", "--csv"], project).stdout
+    header, *rows = shown.splitlines()
+    column = header.split(",").index("mlflow_run_id")
+    run_ids = {row.split(",")[column] for row in rows}
+    assert {r.info.run_id for r in runs.values()} <= run_ids
+    winner = runs[best].data.tags["dvc_exp_name"]
+    sh(["dvc", "exp", "apply", winner], project)
+    assert ran_stages(sh(["dvc", "repro"], project).stdout) == []
+    assert yaml.safe_load((project / "params.yaml").read_text())["train"]["max_steps"] == 8

@@ -1,0 +1,410 @@
+"""Champion moves against a real MLflow store (SQLite in a temp dir, no mocks): one yardstick per decision, a
+champion that cannot be scored is kept, concurrent promotions from two processes, retried promotes, and the
+`ultrathink registry` commands (list, promote, rollback).
+
+Models of clearly different quality come from a few dozen steps of a plain torch loop on template sentences; the
+yardsticks are other sentences of the same template (never trained on), except YARD_HARD, text unlike the training
+text, on which every model scores badly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+from typer.testing import CliRunner
+
+from ultrathink.cli import app
+from ultrathink.config import EvaluateConfig, ModelConfig, RegistryConfig
+from ultrathink.evaluate import Yardstick, encode_documents, score_documents
+from ultrathink.model import UltraThink
+from ultrathink.registry.champion import actor, champion_history, version_yardstick
+from ultrathink.registry.promote import promote
+from ultrathink.registry.tracking import ensure_experiment, use_tracking
+from ultrathink.tokenizer import load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, seq_len=32)
+NAME = "tiny"
+REG = RegistryConfig(model_name=NAME, experiment="tiny-exp")
+EVAL = EvaluateConfig(max_new_tokens=8, temperature=0.8, top_k=20, seed=0)
+TAGS = {"git_commit": "abc123", "data_hash": "d" * 16}
+
+_ADJ = ["red", "big", "small", "old", "quick", "lazy", "green", "happy"]
+_NOUN = ["cat", "dog", "bird", "fox", "horse", "mouse", "frog", "bear"]
+_VERB = ["sees", "chases", "likes", "finds", "follows", "hears"]
+_SENTENCES = [f"the {a} {n} {v} the {m}." for a, n, v, m in itertools.product(_ADJ, _NOUN, _VERB, _NOUN)]
+random.Random(0).shuffle(_SENTENCES)
+TRAIN = _SENTENCES[:2000]  # disjoint from every yardstick below
+YARD_A = Yardstick(tuple(_SENTENCES[2000:2040]))
+YARD_B = Yardstick(tuple(_SENTENCES[2040:2080]))
+YARD_C = Yardstick(tuple(_SENTENCES[2080:2120]))
+YARD_HARD = Yardstick(tuple(f"Quixotic {w} vexes {n} wyverns; JAZZ-{n * 7} zig {w[::-1]}!"
+                            for w, n in zip(["onyx", "kiwi", "plume", "quartz", "vortex"] * 4, range(20))))
+
+
+# ---- helpers (copied in spirit from tests/test_registry.py) ----
+
+def make_tokenizer(out_dir: Path) -> None:
+    """A tiny byte-level BPE saved the way ultrathink.tokenizer saves one."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|pad|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TRAIN, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>").save_pretrained(out_dir)
+
+
+def train_model(out_dir: Path, tokenizer, steps: int, seed: int = 0) -> Path:
+    """A tiny model after `steps` AdamW steps on random windows of TRAIN (0 steps: untrained)."""
+    torch.manual_seed(seed)
+    model = UltraThink(TINY, len(tokenizer))
+    stream = encode_documents(tokenizer, TRAIN)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        starts = torch.randint(0, len(stream) - TINY.seq_len - 1, (16,), generator=gen)
+        rows = torch.stack([stream[s : s + TINY.seq_len + 1] for s in starts])
+        _, loss = model(rows[:, :-1], rows[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def bpb(model_dir: Path, tokenizer_dir: Path, yardstick: Yardstick) -> float:
+    """What the registry should measure: bits per byte of `yardstick` under this model and its tokenizer."""
+    model = UltraThink.from_pretrained(model_dir)
+    return score_documents(model, load_tokenizer(tokenizer_dir), yardstick.documents).bits_per_byte
+
+
+def alias_version(client: MlflowClient, alias: str) -> int:
+    return int(client.get_model_version_by_alias(NAME, alias).version)
+
+
+def version_tags(client: MlflowClient, version: int) -> dict[str, str]:
+    return client.get_model_version(NAME, str(version)).tags
+
+
+def one_line(text: str) -> str:
+    """Rich wraps long messages at the console width: compare with whitespace collapsed."""
+    return " ".join(text.split())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny tensors gain nothing from torch's thread pool, and on a busy machine its threads fight for cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> SimpleNamespace:
+    """One tokenizer and four models of increasing quality, each model dir named `model` beside a `tokenizer` dir
+    as in the pipeline (artifacts/model, artifacts/tokenizer). Read-only for the tests."""
+    base = tmp_path_factory.mktemp("champion-assets")
+    make_tokenizer(base / "tokenizer")
+    tokenizer = load_tokenizer(base / "tokenizer")
+    dirs = {name: train_model(base / name / "model", tokenizer, steps)
+            for name, steps in (("untrained", 0), ("weak", 10), ("strong", 25), ("best", 60))}
+    a = SimpleNamespace(tok=base / "tokenizer", base=base, **dirs)
+    # The premises the tests rely on: each model clearly beats the previous one on every template yardstick.
+    for yardstick in (YARD_A, YARD_B, YARD_C):
+        scores = [bpb(dirs[n], a.tok, yardstick) for n in ("untrained", "weak", "strong", "best")]
+        assert all(x > 1.05 * y for x, y in zip(scores, scores[1:])), scores
+    return a
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch) -> Path:
+    """A fresh SQLite store for this test only; returns the project root the promotions use."""
+    for var in ("DVC_ROOT", "DVC_EXP_NAME", "DVC_EXP_BASELINE_REV"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    use_tracking(tmp_path)  # points this process's (global) MLflow client at it and creates it
+    return tmp_path
+
+
+def do_promote(model_dir: Path, tok: Path, yardstick: Yardstick, root: Path, run_id: str | None = None) -> dict:
+    return promote(model_dir, tok, yardstick, REG, EVAL, TAGS, run_id, root)
+
+
+# ---- 1. one yardstick per decision ----
+
+def test_champion_is_judged_on_the_challengers_own_text(assets, store):
+    client = MlflowClient()
+    # v1: the strong model, measured on text unlike its training text, so its recorded val_bpb is poor.
+    first = do_promote(assets.strong, assets.tok, YARD_HARD, store)
+    assert first["promoted"] and first["version"] == 1 and first["reason"] == "no champion yet"
+    assert first["previous_champion_version"] is None and first["previous_value"] is None
+    assert first["value"] == pytest.approx(bpb(assets.strong, assets.tok, YARD_HARD), rel=1e-6)
+
+    # v2: the weak model on YARD_B. Its val_bpb is below v1's *recorded* val_bpb (a comparison of numbers measured
+    # on different texts would promote it), but v1 scored on YARD_B is far better: v2 must not take champion.
+    worse = do_promote(assets.weak, assets.tok, YARD_B, store)
+    strong_on_b = bpb(assets.strong, assets.tok, YARD_B)
+    assert worse["value"] < first["value"]
+    assert not worse["promoted"] and worse["version"] == 2
+    assert worse["previous_champion_version"] == 1
+    assert worse["previous_value"] == pytest.approx(strong_on_b, rel=1e-6)
+    assert worse["previous_value"] != pytest.approx(first["value"], rel=1e-3)  # re-scored, not v1's own number
+    assert "not lower" in worse["reason"] and "on the same text" in worse["reason"]
+    assert alias_version(client, "champion") == 1 and alias_version(client, "challenger") == 2
+    assert "champion_at" not in version_tags(client, 2)
+
+    # v3: the best model on YARD_C: better than v1 on that text, so it takes champion.
+    better = do_promote(assets.best, assets.tok, YARD_C, store)
+    strong_on_c = bpb(assets.strong, assets.tok, YARD_C)
+    assert better["promoted"] and better["version"] == 3
+    assert better["previous_champion_version"] == 1
+    assert better["previous_value"] == pytest.approx(strong_on_c, rel=1e-6)
+    assert better["value"] == pytest.approx(bpb(assets.best, assets.tok, YARD_C), rel=1e-6)
+    assert better["value"] < better["previous_value"]
+    assert "on the same text" in better["reason"] and "champion v1" in better["reason"]
+    assert better["yardstick"] == YARD_C.describe()
+    assert alias_version(client, "champion") == 3 and alias_version(client, "challenger") == 3
+
+    # What was recorded: who/when/why on the champions, the history, and each version's yardstick.
+    tags = version_tags(client, 3)
+    assert tags["champion_why"] == better["reason"]
+    assert tags["champion_by"].startswith("promote stage (")
+    assert time.strptime(tags["champion_at"], "%Y-%m-%dT%H:%M:%SZ")
+    assert version_tags(client, 1)["champion_why"] == "no champion yet"
+    assert champion_history(client, NAME) == [1, 3]
+    assert tags["yardstick_sha256"] == YARD_C.sha256 and float(tags["val_bpb"]) == better["value"]
+    assert version_yardstick(client, client.get_model_version(NAME, "3")) == YARD_C
+    assert version_yardstick(client, client.get_model_version(NAME, "2")) == YARD_B
+    assert {k: tags[k] for k in TAGS} == TAGS
+
+
+# ---- 2. a champion that cannot be scored stays ----
+
+def test_unscorable_champion_is_kept(assets, store):
+    client = MlflowClient()
+    first = do_promote(assets.weak, assets.tok, YARD_A, store)
+    assert first["promoted"] and first["version"] == 1
+    # Lose v1's logged model (its weights) from the artifact store.
+    logged = list((store / "mlartifacts" / "models").iterdir())
+    assert len(logged) == 1 and (logged[0] / "artifacts" / "MLmodel").is_file()
+    shutil.rmtree(logged[0])
+
+    second = do_promote(assets.best, assets.tok, YARD_A, store)
+    assert second["version"] == 2 and not second["promoted"]
+    assert "could not be scored" in second["reason"] and "champion v1" in second["reason"]
+    assert "--force" in second["reason"]  # says how to override
+    assert second["previous_champion_version"] == 1 and second["previous_value"] is None
+    assert alias_version(client, "champion") == 1 and alias_version(client, "challenger") == 2
+    assert champion_history(client, NAME) == [1]
+    assert "champion_at" not in version_tags(client, 2)
+
+
+# ---- 3. two promotions at once, from two processes ----
+
+_PROMOTE_SCRIPT = """
+import json, os, sys, time
+from pathlib import Path
+args = json.loads(sys.argv[1])
+from ultrathink.config import EvaluateConfig, RegistryConfig
+from ultrathink.evaluate import Yardstick
+from ultrathink.registry.promote import promote
+Path(args["ready"]).touch()
+for step in args["rounds"]:  # one promotion per store, each when the test says go
+    deadline = time.time() + 120
+    while not Path(step["go"]).exists():
+        if time.time() > deadline:
+            sys.exit("no go signal")
+        time.sleep(0.01)
+    os.environ["MLFLOW_TRACKING_URI"] = "sqlite:///" + step["root"] + "/mlflow.db"
+    decision = promote(Path(args["model"]), Path(args["tokenizer"]), Yardstick(tuple(args["yardstick"])),
+                       RegistryConfig(**args["registry"]), EvaluateConfig(max_new_tokens=8), {"who": args["who"]},
+                       None, Path(step["root"]))
+    Path(step["out"]).write_text(json.dumps(decision))
+"""
+
+
+def test_concurrent_promotions_leave_the_better_model_champion(assets, tmp_path, monkeypatch):
+    """Two processes promote into one store at once, in two rounds (a store each) with opposite head starts: in
+    both, the better model ends champion, both versions exist, and the later judgement saw the earlier move."""
+    for var in ("DVC_ROOT", "DVC_EXP_NAME", "DVC_EXP_BASELINE_REV"):
+        monkeypatch.delenv(var, raising=False)
+    orders = [("strong", "weak"), ("weak", "strong")]
+    roots = [tmp_path / f"round{i}" for i in range(len(orders))]
+    for root in roots:  # each store and its experiment exist before the processes start
+        root.mkdir()
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
+        ensure_experiment(REG.experiment, root)
+    script = tmp_path / "promote_rounds.py"
+    script.write_text(_PROMOTE_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    procs = {}
+    for who in ("strong", "weak"):
+        rounds = [{"root": str(root), "go": str(root / f"{who}.go"), "out": str(root / f"{who}.json")}
+                  for root in roots]
+        args = {"model": str(getattr(assets, who)), "tokenizer": str(assets.tok), "yardstick": list(YARD_B.documents),
+                "registry": REG.model_dump(), "who": who, "ready": str(tmp_path / f"{who}.ready"), "rounds": rounds}
+        procs[who] = subprocess.Popen([sys.executable, str(script), json.dumps(args)], cwd=tmp_path, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def wait_for(paths: list[Path]) -> None:
+        deadline = time.time() + 120
+        while not all(p.exists() for p in paths):
+            assert time.time() < deadline, f"timed out waiting for {paths}"
+            if any(p.poll() is not None for p in procs.values()):
+                outputs = {w: p.communicate()[0][-3000:] for w, p in procs.items() if p.poll() is not None}
+                pytest.fail(f"a promoter exited early: {outputs}")
+            time.sleep(0.02)
+
+    try:
+        wait_for([tmp_path / f"{who}.ready" for who in procs])  # both imported
+        for root, (first, second) in zip(roots, orders):
+            (root / f"{first}.go").touch()
+            time.sleep(0.2)  # a head start well inside one promotion (about a second): the two overlap
+            (root / f"{second}.go").touch()
+            wait_for([root / f"{who}.json" for who in procs])
+        outputs = {who: p.communicate(timeout=120)[0] for who, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for who, p in procs.items():
+        assert p.returncode == 0, f"{who} promoter failed:\n{outputs[who][-3000:]}"
+
+    strong_on_b = bpb(assets.strong, assets.tok, YARD_B)
+    weak_on_b = bpb(assets.weak, assets.tok, YARD_B)
+    for root in roots:
+        uri = f"sqlite:///{root}/mlflow.db"
+        client = MlflowClient(uri, uri)
+        decisions = {who: json.loads((root / f"{who}.json").read_text()) for who in procs}
+        versions = {int(v.version): v for v in client.search_model_versions(f"name='{NAME}'")}
+        assert set(versions) == {1, 2} == {d["version"] for d in decisions.values()}, decisions
+        strong_v, weak_v = decisions["strong"]["version"], decisions["weak"]["version"]
+        assert versions[strong_v].tags["who"] == "strong" and versions[weak_v].tags["who"] == "weak"
+        assert alias_version(client, "champion") == strong_v
+        assert decisions["strong"]["promoted"]
+        # Whichever was judged first found no champion; the other was judged against it, on the same text.
+        judged_first = [w for w, d in decisions.items() if d["previous_champion_version"] is None]
+        assert len(judged_first) == 1, decisions
+        if judged_first == ["strong"]:
+            assert not decisions["weak"]["promoted"] and decisions["weak"]["previous_champion_version"] == strong_v
+            assert decisions["weak"]["previous_value"] == pytest.approx(strong_on_b, rel=1e-6)
+            assert champion_history(client, NAME) == [strong_v]
+        else:
+            assert decisions["weak"]["promoted"] and decisions["strong"]["previous_champion_version"] == weak_v
+            assert decisions["strong"]["previous_value"] == pytest.approx(weak_on_b, rel=1e-6)
+            assert champion_history(client, NAME) == [weak_v, strong_v]
+            assert version_tags(client, weak_v)["champion_why"] == "no champion yet"
+        assert version_tags(client, strong_v)["champion_why"] == decisions["strong"]["reason"]
+
+
+# ---- 4. a retried promote ----
+
+def test_retried_promote_reuses_its_version(assets, store):
+    client = MlflowClient()
+    first = do_promote(assets.weak, assets.tok, YARD_A, store)
+    again = do_promote(assets.weak, assets.tok, YARD_A, store, run_id=first["run_id"])
+    assert again["version"] == first["version"] == 1 and again["run_id"] == first["run_id"]
+    assert again["promoted"] and "already champion" in again["reason"]
+    assert [int(v.version) for v in client.search_model_versions(f"name='{NAME}'")] == [1]
+    assert len(list((store / "mlartifacts" / "models").iterdir())) == 1  # the model was not logged twice
+    assert champion_history(client, NAME) == [1]  # the retry is not a second move
+    assert alias_version(client, "champion") == 1 and alias_version(client, "challenger") == 1
+    # Other weights in the same run are another model: a new version.
+    other = do_promote(assets.strong, assets.tok, YARD_A, store, run_id=first["run_id"])
+    assert other["version"] == 2 and other["run_id"] == first["run_id"] and other["promoted"]
+    assert champion_history(client, NAME) == [1, 2]
+
+
+# ---- 5. the `ultrathink registry` commands ----
+
+def test_registry_cli_list_promote_rollback(assets, store, monkeypatch):
+    client = MlflowClient()
+    assert do_promote(assets.weak, assets.tok, YARD_A, store)["promoted"]  # v1
+    assert do_promote(assets.strong, assets.tok, YARD_A, store)["promoted"]  # v2
+    assert not do_promote(assets.untrained, assets.tok, YARD_A, store)["promoted"]  # v3
+    assert alias_version(client, "champion") == 2 and champion_history(client, NAME) == [1, 2]
+    monkeypatch.chdir(store)  # no params.yaml here: --name names the model
+    assert not (store / "params.yaml").exists()
+    runner = CliRunner()
+
+    def cli(*args: str):
+        return runner.invoke(app, ["registry", *args, "--name", NAME])
+
+    listed = cli("list")
+    assert listed.exit_code == 0, listed.output
+    rows = {int(line.split("│")[1]): line for line in listed.stdout.splitlines()
+            if line.count("│") > 2 and line.split("│")[1].strip().isdigit()}
+    assert set(rows) == {1, 2, 3}
+    assert "champion" in rows[2] and "challenger" in rows[3] and "champion" not in rows[3].replace("challenger", "")
+    assert "champion" not in rows[1].split("│")[2]  # v1's aliases column: none
+    for v in (1, 2, 3):
+        assert f"{float(version_tags(client, v)['val_bpb']):.4f}" in rows[v]
+        assert YARD_A.sha256[:12] in rows[v]
+    assert "champion history (oldest first): [1, 2]" in listed.stdout
+
+    # Worse than the champion on its own yardstick, unforced: refused, champion unchanged.
+    refused = cli("promote", "3")
+    assert refused.exit_code == 1, refused.output
+    assert "not promoted" in refused.stdout and "on the same text" in refused.stdout
+    assert alias_version(client, "champion") == 2 and "champion_at" not in version_tags(client, 3)
+
+    # Forced, with a reason: moves, and says who and why.
+    forced = cli("promote", "3", "--force", "--reason", "hotfix: v2 leaks secrets")
+    assert forced.exit_code == 0, forced.output
+    assert "v3: champion" in forced.stdout
+    assert alias_version(client, "champion") == 3
+    tags = version_tags(client, 3)
+    assert tags["champion_by"] == actor() and tags["champion_why"] == "forced: hotfix: v2 leaks secrets"
+    assert champion_history(client, NAME) == [1, 2, 3]
+
+    # Rollback walks the history back one champion per call, recording why.
+    back = cli("rollback", "--reason", "v3 is garbage")
+    assert back.exit_code == 0, back.output
+    assert "champion v3 → v2" in back.stdout
+    assert alias_version(client, "champion") == 2 and champion_history(client, NAME) == [1, 2]
+    tags3, tags2 = version_tags(client, 3), version_tags(client, 2)
+    assert tags3["rolled_back_why"] == "v3 is garbage" and tags3["rolled_back_by"] == actor()
+    assert "rolled_back_at" in tags3
+    assert tags2["champion_why"] == "rollback from v3: v3 is garbage" and tags2["champion_by"] == actor()
+
+    further = cli("rollback", "-r", "v2 too")
+    assert further.exit_code == 0, further.output
+    assert "champion v2 → v1" in further.stdout
+    assert alias_version(client, "champion") == 1 and champion_history(client, NAME) == [1]
+    assert version_tags(client, 2)["rolled_back_why"] == "v2 too"
+
+    nothing = cli("rollback", "--reason", "again")
+    assert nothing.exit_code == 1, nothing.output
+    message = one_line(nothing.stderr)
+    assert "registry rollback failed" in message and "no earlier champion than v1" in message
+    assert "registry promote VERSION --force" in message
+    assert alias_version(client, "champion") == 1 and champion_history(client, NAME) == [1]
+    assert "rolled_back_at" not in version_tags(client, 1)
+
+    # Unforced promote of a better version: judged on its yardstick against the champion, and moved.
+    regained = cli("promote", "2")
+    assert regained.exit_code == 0, regained.output
+    assert "v2: champion" in regained.stdout and "on the same text" in regained.stdout
+    assert alias_version(client, "champion") == 2 and champion_history(client, NAME) == [1, 2]
+
+    missing = cli("promote", "9", "--force")
+    assert missing.exit_code == 1 and "registry promote failed" in one_line(missing.stderr)
+    assert alias_version(client, "champion") == 2
