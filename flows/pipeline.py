@@ -2,8 +2,12 @@
 
 The stage list comes from dvc.yaml (ultrathink.pipeline.stage_order), and each stage runs through DVC
 (`dvc repro --single-item <stage>`), so DVC still decides what is stale, records dvc.lock, and skips what is
-unchanged: after a flow run `dvc status` is clean. Prefect adds the run page, logs, retries and a markdown summary.
-Prefect's own result cache stays off: two caches that can disagree are worse than one.
+unchanged: after a flow run `dvc status` is clean. Prefect adds the run page, logs, a markdown summary, and retries
+for the one stage where a retry is safe: promote, whose registration is idempotent (the same run and weights are the
+same registered version) and whose alias move is a locked compare-and-set, so a store hiccup (SQLite busy, a server
+restart) does not fail a nightly run. Other stages are not retried: a failure there is the data's or the code's, and
+running it again would fail the same way. Prefect's own result cache stays off: two caches that can disagree are
+worse than one.
 """
 
 from __future__ import annotations
@@ -19,6 +23,11 @@ from prefect.cache_policies import NO_CACHE
 
 from ultrathink.config import load_params
 from ultrathink.pipeline import stage_order
+
+
+# Stages safe to retry, with how many retries (see the module docstring).
+RETRIES = {"promote": 2}
+RETRY_DELAY_SECONDS = 10
 
 
 @task(cache_policy=NO_CACHE, task_run_name="{name}")
@@ -51,7 +60,8 @@ def pipeline(root: str = ".") -> list[dict]:
     """validate → tokenizer → prepare → train → evaluate → promote, each only if stale. A failed stage fails the
     flow, so nothing after it (promotion included) runs."""
     params = load_params(Path(root) / "params.yaml")  # bad params fail here, before any work
-    results = [reproduce(name, root) for name in stage_order(root)]
+    results = [reproduce.with_options(retries=RETRIES.get(name, 0), retry_delay_seconds=RETRY_DELAY_SECONDS)(name, root)
+               for name in stage_order(root)]
     create_markdown_artifact(summary_markdown(results, Path(root), params), key="ultrathink-summary",
                              description="stages run and the model's metrics")
     return results

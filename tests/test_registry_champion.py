@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from filelock import FileLock
 from mlflow.tracking import MlflowClient
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -31,7 +32,7 @@ from ultrathink.cli import app
 from ultrathink.config import EvaluateConfig, ModelConfig, RegistryConfig
 from ultrathink.evaluate import Yardstick, encode_documents, score_documents
 from ultrathink.model import UltraThink
-from ultrathink.registry.champion import actor, champion_history, version_yardstick
+from ultrathink.registry.champion import actor, champion_history, lock_path, version_yardstick
 from ultrathink.registry.promote import promote
 from ultrathink.registry.tracking import ensure_experiment, use_tracking
 from ultrathink.tokenizer import load_tokenizer
@@ -240,45 +241,61 @@ for step in args["rounds"]:  # one promotion per store, each when the test says 
 
 
 def test_concurrent_promotions_leave_the_better_model_champion(assets, tmp_path, monkeypatch):
-    """Two processes promote into one store at once, in two rounds (a store each) with opposite head starts: in
-    both, the better model ends champion, both versions exist, and the later judgement saw the earlier move."""
+    """Two processes promote the strong and the weak model into one store at once, in three rounds (a store each):
+    the strong one with a head start, the weak one with a head start, and both let go together while this test
+    holds the champion lock over a store whose champion (an untrained model) both beat, so that both wait for the
+    lock with the same champion in view. Every time: both versions exist, the strong model ends champion, and the
+    version judged second was judged against the one judged first, on the same text."""
     for var in ("DVC_ROOT", "DVC_EXP_NAME", "DVC_EXP_BASELINE_REV"):
         monkeypatch.delenv(var, raising=False)
-    orders = [("strong", "weak"), ("weak", "strong")]
-    roots = [tmp_path / f"round{i}" for i in range(len(orders))]
-    for root in roots:  # each store and its experiment exist before the processes start
-        root.mkdir()
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
-        ensure_experiment(REG.experiment, root)
+    rounds = [SimpleNamespace(root=tmp_path / "strong-first", head_start=("strong", "weak"), contended=False),
+              SimpleNamespace(root=tmp_path / "weak-first", head_start=("weak", "strong"), contended=False),
+              SimpleNamespace(root=tmp_path / "contended", head_start=None, contended=True)]
+    for r in rounds:  # each store and its experiment exist before the processes start
+        r.root.mkdir()
+        r.uri = f"sqlite:///{r.root}/mlflow.db"
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", r.uri)
+        if r.contended:
+            assert do_promote(assets.untrained, assets.tok, YARD_B, r.root)["version"] == 1  # the champion to beat
+        else:
+            ensure_experiment(REG.experiment, r.root)
     script = tmp_path / "promote_rounds.py"
     script.write_text(_PROMOTE_SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     procs = {}
     for who in ("strong", "weak"):
-        rounds = [{"root": str(root), "go": str(root / f"{who}.go"), "out": str(root / f"{who}.json")}
-                  for root in roots]
+        steps = [{"root": str(r.root), "go": str(r.root / f"{who}.go"), "out": str(r.root / f"{who}.json")}
+                 for r in rounds]
         args = {"model": str(getattr(assets, who)), "tokenizer": str(assets.tok), "yardstick": list(YARD_B.documents),
-                "registry": REG.model_dump(), "who": who, "ready": str(tmp_path / f"{who}.ready"), "rounds": rounds}
+                "registry": REG.model_dump(), "who": who, "ready": str(tmp_path / f"{who}.ready"), "rounds": steps}
         procs[who] = subprocess.Popen([sys.executable, str(script), json.dumps(args)], cwd=tmp_path, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
-    def wait_for(paths: list[Path]) -> None:
+    def wait_until(done, what: str) -> None:
         deadline = time.time() + 120
-        while not all(p.exists() for p in paths):
-            assert time.time() < deadline, f"timed out waiting for {paths}"
+        while not done():
+            assert time.time() < deadline, f"timed out waiting for {what}"
             if any(p.poll() is not None for p in procs.values()):
                 outputs = {w: p.communicate()[0][-3000:] for w, p in procs.items() if p.poll() is not None}
                 pytest.fail(f"a promoter exited early: {outputs}")
             time.sleep(0.02)
 
     try:
-        wait_for([tmp_path / f"{who}.ready" for who in procs])  # both imported
-        for root, (first, second) in zip(roots, orders):
-            (root / f"{first}.go").touch()
-            time.sleep(0.2)  # a head start well inside one promotion (about a second): the two overlap
-            (root / f"{second}.go").touch()
-            wait_for([root / f"{who}.json" for who in procs])
+        wait_until(lambda: all((tmp_path / f"{who}.ready").exists() for who in procs), "imports")
+        for r in rounds:
+            if r.contended:
+                with FileLock(str(lock_path(r.uri, r.root))):
+                    for who in procs:
+                        (r.root / f"{who}.go").touch()
+                    client = MlflowClient(r.uri, r.uri)
+                    wait_until(lambda: len(client.search_model_versions(f"name='{NAME}'")) == 3, "registrations")
+                    time.sleep(0.5)  # both are now (or soon) waiting for the lock
+            else:
+                (r.root / f"{r.head_start[0]}.go").touch()
+                time.sleep(0.2)  # a head start well inside one promotion (about a second): the two overlap
+                (r.root / f"{r.head_start[1]}.go").touch()
+            wait_until(lambda: all((r.root / f"{who}.json").exists() for who in procs), f"round {r.root.name}")
         outputs = {who: p.communicate(timeout=120)[0] for who, p in procs.items()}
     finally:
         for p in procs.values():
@@ -288,30 +305,34 @@ def test_concurrent_promotions_leave_the_better_model_champion(assets, tmp_path,
     for who, p in procs.items():
         assert p.returncode == 0, f"{who} promoter failed:\n{outputs[who][-3000:]}"
 
-    strong_on_b = bpb(assets.strong, assets.tok, YARD_B)
-    weak_on_b = bpb(assets.weak, assets.tok, YARD_B)
-    for root in roots:
-        uri = f"sqlite:///{root}/mlflow.db"
-        client = MlflowClient(uri, uri)
-        decisions = {who: json.loads((root / f"{who}.json").read_text()) for who in procs}
+    on_b = {who: bpb(getattr(assets, who), assets.tok, YARD_B) for who in ("untrained", "weak", "strong")}
+    for r in rounds:
+        client = MlflowClient(r.uri, r.uri)
+        decisions = {who: json.loads((r.root / f"{who}.json").read_text()) for who in procs}
+        seeded = [1] if r.contended else []  # the untrained champion that was there before
         versions = {int(v.version): v for v in client.search_model_versions(f"name='{NAME}'")}
-        assert set(versions) == {1, 2} == {d["version"] for d in decisions.values()}, decisions
         strong_v, weak_v = decisions["strong"]["version"], decisions["weak"]["version"]
+        assert set(versions) == {*seeded, strong_v, weak_v} and len(versions) == len(seeded) + 2, decisions
         assert versions[strong_v].tags["who"] == "strong" and versions[weak_v].tags["who"] == "weak"
-        assert alias_version(client, "champion") == strong_v
+        assert alias_version(client, "champion") == strong_v, (r.root.name, decisions)
         assert decisions["strong"]["promoted"]
-        # Whichever was judged first found no champion; the other was judged against it, on the same text.
-        judged_first = [w for w, d in decisions.items() if d["previous_champion_version"] is None]
-        assert len(judged_first) == 1, decisions
+        # The one judged first saw the champion from before the round (none, or v1); the other saw the first.
+        before = seeded[0] if seeded else None
+        judged_first = [w for w, d in decisions.items() if d["previous_champion_version"] == before]
+        assert len(judged_first) == 1, (r.root.name, decisions)
+        first = decisions[judged_first[0]]
+        assert first["promoted"]
+        assert first["previous_value"] == (pytest.approx(on_b["untrained"], rel=1e-6) if seeded else None)
+        if r.head_start:
+            assert judged_first == [r.head_start[0]], (r.root.name, decisions)
         if judged_first == ["strong"]:
             assert not decisions["weak"]["promoted"] and decisions["weak"]["previous_champion_version"] == strong_v
-            assert decisions["weak"]["previous_value"] == pytest.approx(strong_on_b, rel=1e-6)
-            assert champion_history(client, NAME) == [strong_v]
+            assert decisions["weak"]["previous_value"] == pytest.approx(on_b["strong"], rel=1e-6)
+            assert champion_history(client, NAME) == [*seeded, strong_v]
         else:
             assert decisions["weak"]["promoted"] and decisions["strong"]["previous_champion_version"] == weak_v
-            assert decisions["strong"]["previous_value"] == pytest.approx(weak_on_b, rel=1e-6)
-            assert champion_history(client, NAME) == [weak_v, strong_v]
-            assert version_tags(client, weak_v)["champion_why"] == "no champion yet"
+            assert decisions["strong"]["previous_value"] == pytest.approx(on_b["weak"], rel=1e-6)
+            assert champion_history(client, NAME) == [*seeded, weak_v, strong_v]
         assert version_tags(client, strong_v)["champion_why"] == decisions["strong"]["reason"]
 
 
@@ -408,3 +429,18 @@ def test_registry_cli_list_promote_rollback(assets, store, monkeypatch):
     missing = cli("promote", "9", "--force")
     assert missing.exit_code == 1 and "registry promote failed" in one_line(missing.stderr)
     assert alias_version(client, "champion") == 2
+
+
+# ---- known bug, outside this module's files ----
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "promote.log_pyfunc logs the model and tokenizer dirs under their own basenames (artifacts/<basename>), but "
+    "text_eval._from_mlflow (used by champion.score_version) only finds artifacts/model + artifacts/tokenizer: a "
+    "champion promoted from e.g. paths.model_dir=out/weights can never be scored, so it can never be beaten"))
+def test_champion_from_dirs_not_named_model_and_tokenizer_can_be_scored(assets, store):
+    odd = store / "odd"
+    shutil.copytree(assets.weak, odd / "weights")
+    shutil.copytree(assets.tok, odd / "tok")
+    assert do_promote(odd / "weights", odd / "tok", YARD_A, store)["promoted"]
+    better = do_promote(assets.best, assets.tok, YARD_A, store)
+    assert better["promoted"], better["reason"]

@@ -113,6 +113,9 @@ def registry_list(name: Optional[str] = MODEL_NAME_OPT) -> None:
     if not versions:
         err.print(f"no versions of {model!r} in {client.tracking_uri}")
         raise typer.Exit(1)
+    aliases: dict[int, list[str]] = {}  # search_model_versions leaves ModelVersion.aliases empty: ask the model
+    for alias, number in client.get_registered_model(model).aliases.items():
+        aliases.setdefault(int(number), []).append(alias)
     table = Table("version", "aliases", "val_bpb", "yardstick", "git", "data", "parent", "created", "events",
                   title=f"{model} ({client.tracking_uri})")
     for v in versions:
@@ -120,7 +123,8 @@ def registry_list(name: Optional[str] = MODEL_NAME_OPT) -> None:
         yardstick = f"{t.get('yardstick_sha256', '?')[:12]} ({t.get('yardstick_bytes', '?')} B)"
         events = "; ".join(f"{kind} {t[kind + '_at']} by {t.get(kind + '_by', '?')}: {t.get(kind + '_why', '')}"
                            for kind in ("champion", "rolled_back") if kind + "_at" in t)
-        table.add_row(str(v.version), ",".join(v.aliases), f"{float(t['val_bpb']):.4f}" if "val_bpb" in t else "?",
+        table.add_row(str(v.version), ",".join(sorted(aliases.get(int(v.version), []))),
+                      f"{float(t['val_bpb']):.4f}" if "val_bpb" in t else "?",
                       yardstick, t.get("git_commit", "?")[:8], t.get("data_hash", "?")[:12],
                       t.get("parent_model", ""), time.strftime("%Y-%m-%d %H:%M", time.gmtime(v.creation_timestamp / 1000)),
                       events)
