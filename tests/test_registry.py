@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from ultrathink.config import EvaluateConfig, ModelConfig, RegistryConfig
+from ultrathink.evaluate import Yardstick
 from ultrathink.model import UltraThink
 from ultrathink.model.generate import generate_text
 from ultrathink.registry.promote import champion_uri, promote
@@ -39,25 +40,45 @@ def make_tokenizer(out_dir) -> None:
     fast.save_pretrained(out_dir)
 
 
-def make_model(out_dir, vocab_size: int, seed: int) -> None:
+YARDSTICK = Yardstick(("A class runs the loop.", "def g(y):\n    return y + 2\n", "The body defines a class."))
+
+
+def make_model(out_dir, vocab_size: int, seed: int, quality: str = "random", tokenizer_dir=None) -> None:
+    """random: as initialised; worse: random with sharpened logits; better: trained briefly on TEXT (not on the
+    yardstick's sentences)."""
     torch.manual_seed(seed)
-    UltraThink(TINY, vocab_size).save_pretrained(out_dir)
+    model = UltraThink(TINY, vocab_size)
+    if quality == "worse":
+        with torch.no_grad():
+            model.embed.weight.mul_(8.0)
+    if quality == "better":
+        tok = load_tokenizer(tokenizer_dir)
+        stream = torch.tensor(sum((tok(t)["input_ids"] + [tok.eos_token_id] for t in TEXT[:3]), []) * 20)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(40):
+            start = (step * 7) % (len(stream) - 33)
+            window = stream[start : start + 33][None]
+            _, loss = model(window[:, :-1], window[:, 1:])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    model.save_pretrained(out_dir)
 
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory):
-    """Three promotions in a fresh store: val_bpb 3.0, then a worse 3.5, then a better 2.5."""
+    """Three promotions in a fresh store, all judged on YARDSTICK: a random model, a worse one, a better one."""
     root = tmp_path_factory.mktemp("registry")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
         make_tokenizer(root / "tokenizer")
         vocab = len(load_tokenizer(root / "tokenizer"))
         decisions = []
-        for i, bpb in enumerate([3.0, 3.5, 2.5]):
+        for i, quality in enumerate(["random", "worse", "better"]):
             model_dir = root / f"model{i}"
-            make_model(model_dir, vocab, seed=i)
-            decisions.append(promote(model_dir, root / "tokenizer", {"val_bpb": bpb, "val_loss": bpb * 0.7},
-                                     REG, EVAL, TAGS, run_id=None, root=root))
+            make_model(model_dir, vocab, seed=0, quality=quality, tokenizer_dir=root / "tokenizer")
+            decisions.append(promote(model_dir, root / "tokenizer", YARDSTICK, REG, EVAL, TAGS, run_id=None,
+                                     root=root))
         yield root, decisions
 
 
@@ -66,6 +87,7 @@ def test_first_model_becomes_champion(registry):
     first = decisions[0]
     assert first["promoted"] and first["version"] == 1 and first["previous_champion_version"] is None
     assert first["reason"] == "no champion yet"
+    assert first["yardstick"] == YARDSTICK.describe()
     json.dumps(first)  # the stage writes it as a report
 
 
@@ -73,14 +95,16 @@ def test_worse_model_is_only_challenger(registry):
     _, decisions = registry
     worse = decisions[1]
     assert not worse["promoted"] and worse["version"] == 2
-    assert worse["previous_champion_version"] == 1 and worse["previous_value"] == 3.0
-    assert "not lower" in worse["reason"]
+    assert worse["previous_champion_version"] == 1
+    assert worse["previous_value"] == pytest.approx(decisions[0]["value"])  # the champion, scored again
+    assert worse["value"] > worse["previous_value"] and "not lower" in worse["reason"]
 
 
 def test_better_model_takes_champion(registry):
     _, decisions = registry
     better = decisions[2]
     assert better["promoted"] and better["previous_champion_version"] == 1
+    assert better["value"] < better["previous_value"] and "on the same text" in better["reason"]
     client = MlflowClient()
     assert int(client.get_model_version_by_alias("tiny", "champion").version) == 3
     assert int(client.get_model_version_by_alias("tiny", "challenger").version) == 3
@@ -90,9 +114,12 @@ def test_version_carries_lineage_tags_and_run(registry):
     _, decisions = registry
     version = MlflowClient().get_model_version("tiny", "2")
     assert {k: version.tags[k] for k in TAGS} == TAGS
-    assert float(version.tags["val_bpb"]) == 3.5
+    assert float(version.tags["val_bpb"]) == decisions[1]["value"]
+    assert version.tags["yardstick_sha256"] == YARDSTICK.sha256
     assert version.run_id == decisions[1]["run_id"]
-    assert mlflow.get_run(version.run_id).data.metrics["val_bpb"] == 3.5
+    assert mlflow.get_run(version.run_id).data.metrics["val_bpb"] == pytest.approx(decisions[1]["value"])
+    logged = mlflow.artifacts.download_artifacts(run_id=version.run_id, artifact_path="yardstick/yardstick.jsonl")
+    assert open(logged, encoding="utf-8").read() == YARDSTICK.jsonl()
 
 
 def test_artifacts_stay_under_root(registry):
@@ -126,8 +153,8 @@ def test_diverged_model_never_becomes_champion(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     make_tokenizer(tmp_path / "tokenizer")
     make_model(tmp_path / "model", len(load_tokenizer(tmp_path / "tokenizer")), seed=0)
-    decision = promote(tmp_path / "model", tmp_path / "tokenizer", {"val_bpb": float("nan")}, REG, EVAL, TAGS,
-                       None, tmp_path)
+    decision = promote(tmp_path / "model", tmp_path / "tokenizer", YARDSTICK, REG, EVAL, TAGS, None, tmp_path,
+                       known_bpb=float("nan"))
     assert not decision["promoted"] and "not finite" in decision["reason"]
     assert "champion" not in MlflowClient().get_registered_model(REG.model_name).aliases
 
@@ -140,7 +167,7 @@ def test_promote_reopens_the_training_run(tmp_path, monkeypatch):
         mlflow.log_metric("train_loss", 5.0, step=1)
         save_run_id(tmp_path / "model", run.info.run_id)
     run_id = load_run_id(tmp_path / "model")
-    decision = promote(tmp_path / "model", tmp_path / "tokenizer", {"val_bpb": 3.0}, REG, EVAL, TAGS, run_id, tmp_path)
+    decision = promote(tmp_path / "model", tmp_path / "tokenizer", YARDSTICK, REG, EVAL, TAGS, run_id, tmp_path)
     assert decision["run_id"] == run_id
     assert set(mlflow.get_run(run_id).data.metrics) == {"train_loss", "val_bpb"}
 

@@ -323,8 +323,6 @@ def test_concurrent_promotions_leave_the_better_model_champion(assets, tmp_path,
         first = decisions[judged_first[0]]
         assert first["promoted"]
         assert first["previous_value"] == (pytest.approx(on_b["untrained"], rel=1e-6) if seeded else None)
-        if r.head_start:
-            assert judged_first == [r.head_start[0]], (r.root.name, decisions)
         if judged_first == ["strong"]:
             assert not decisions["weak"]["promoted"] and decisions["weak"]["previous_champion_version"] == strong_v
             assert decisions["weak"]["previous_value"] == pytest.approx(on_b["strong"], rel=1e-6)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import yaml
+
 from ultrathink.data.sources import split_documents
 from ultrathink.errors import StageError
 from ultrathink.evaluate import TextScore, score_documents
@@ -53,7 +55,12 @@ def _from_mlflow(uri: str, root: Path) -> tuple[Path, Path]:
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri))
     except MlflowException as exc:
         raise ModelNotFoundError(f"{uri}: cannot be loaded from the MLflow store {store}: {exc.message}") from None
-    return resolve_model(str(local / "artifacts"))
+    # The pyfunc's MLmodel maps each artifact key to where MLflow stored it (named after the logged folder).
+    mlmodel = yaml.safe_load((local / "MLmodel").read_text()) if (local / "MLmodel").is_file() else {}
+    artifacts = (mlmodel.get("flavors", {}).get("python_function", {}) or {}).get("artifacts") or {}
+    if "model" not in artifacts or "tokenizer" not in artifacts:
+        raise ModelNotFoundError(f"{uri}: not an UltraThink model (its MLmodel names no model and tokenizer artifacts)")
+    return local / artifacts["model"]["path"], local / artifacts["tokenizer"]["path"]
 
 
 def evaluate_text_file(model_ref: str, text_file: Path, unit: str = "paragraph", root: Path = Path(".")) -> TextScore:
