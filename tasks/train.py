@@ -21,7 +21,8 @@ from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.distributed import Distributed, setup
 from ultrathink.train.loader import TokenWindows
 from ultrathink.train.trainer import Trainer
-from ultrathink.train.warm_start import LINEAGE_FILE, Parent, check_optimizer, find_parent, load_parent_weights
+from ultrathink.train.warm_start import (LINEAGE_FILE, Parent, WarmStartError, check_optimizer, find_parent,
+                                        load_parent_weights)
 
 
 def flatten(prefix: str, value) -> dict[str, object]:
@@ -42,13 +43,17 @@ def cleaning_metrics(validate_report: str) -> dict[str, float]:
     return {k: float(v) for k, v in flatten("cleaning", cleaning).items() if isinstance(v, (int, float))}
 
 
-def resolve_parent(ref: str) -> Parent:
+def resolve_parent(ref: str, model_dir: Path) -> Parent:
     """train.init_from → the parent's local files. An alias is pinned to the version it names now, and that
     version is what the lineage records."""
     if is_mlflow_uri(ref):
         pinned = pin_model_uri(ref, Path("."))
-        model_dir, tokenizer_dir = resolve_model(pinned)
-        return find_parent(model_dir, ref, lineage=pinned, tokenizer_dir=tokenizer_dir)
+        parent_dir, tokenizer_dir = resolve_model(pinned)
+        return find_parent(parent_dir, ref, lineage=pinned, tokenizer_dir=tokenizer_dir)
+    if Path(ref).resolve() == model_dir.resolve() and not model_dir.exists():
+        raise WarmStartError(f"train.init_from: {ref} is this stage's own output, which DVC removes before the "
+                             "stage runs: warm start from the registry (models:/NAME@champion) or a checkpoint "
+                             "(paths.checkpoint_dir/<fingerprint>/best or step_N)")
     return find_parent(Path(ref), ref)
 
 
@@ -62,7 +67,7 @@ def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[
     tokenizer_dir = tokenizer_dir if (tokenizer_dir / "tokenizer.json").is_file() else None
     tok_sha = meta.get("tokenizer_sha256") or (tokenizer_hash(tokenizer_dir) if tokenizer_dir else None)
     model = UltraThink(params.model, meta["vocab_size"])
-    parent = resolve_parent(cfg.init_from) if cfg.init_from else None
+    parent = resolve_parent(cfg.init_from, Path(p.model_dir)) if cfg.init_from else None
     if parent is not None:
         load_parent_weights(parent, model, tok_sha, tokenizer_dir)
         if cfg.init_optimizer:

@@ -60,15 +60,16 @@ def test_two_processes_match_one_process_with_the_same_global_batch(single, tmp_
         assert abs(a["val_loss"] - b["val_loss"]) < 2e-3 * a["val_loss"] if "val_loss" in a else True
     wa, wb = load_file(single / "model" / "model.safetensors"), load_file(base / "model" / "model.safetensors")
     assert wa.keys() == wb.keys() and max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-3
-    # Only rank 0 wrote: one directory per kept checkpoint.
-    assert sorted(p.name for p in (base / "ckpt").glob("step_*")) == ["step_00000015", "step_00000020"]
+    # Only rank 0 wrote: one configuration folder, one directory per kept checkpoint.
+    (folder,) = [p for p in (base / "ckpt").iterdir() if (p / "fingerprint.json").is_file()]
+    assert sorted(p.name for p in folder.glob("step_*")) == ["step_00000015", "step_00000020"]
 
     if backend == "deepspeed":  # each rank's ZeRO shard of the optimizer state, in DeepSpeed's own format
-        shards = sorted(p.name for p in (base / "ckpt" / "step_00000020" / "deepspeed" / "ds").glob("*optim_states.pt"))
+        shards = sorted(p.name for p in (folder / "step_00000020" / "deepspeed" / "ds").glob("*optim_states.pt"))
         assert shards == ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
 
     if backend != "ddp":  # a sharded run resumes from its step-15 checkpoint to the same weights
-        shutil.rmtree(base / "ckpt" / "step_00000020")
+        shutil.rmtree(folder / "step_00000020")
         shutil.rmtree(base / "model")
         torchrun(base, env, port)
         again = load_file(base / "model" / "model.safetensors")

@@ -144,8 +144,12 @@ def decide_and_move(client: MlflowClient, name: str, version: int, bpb: float, y
     with champion_lock(root):
         for _ in range(_MAX_RETRIES):
             champion = current_champion(client, name)
+            rolled_back = client.get_model_version(name, str(version)).tags.get("rolled_back_at")
             if force_reason is not None:
                 decision = Decision(True, f"forced: {force_reason}", _number(champion), None)
+            elif rolled_back and _number(champion) != version:
+                decision = Decision(False, f"v{version} was rolled back ({rolled_back}); it returns only by hand: "
+                                    f"ultrathink registry promote {version} --force", _number(champion), None)
             else:
                 decision = judge(client, name, version, bpb, yardstick, champion,
                                  lambda v: score_version(client, name, v, yardstick))

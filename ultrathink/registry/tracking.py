@@ -34,6 +34,7 @@ from ultrathink.io import atomic_write_json
 RUN_FILE = "mlflow_run.json"
 # Error codes meaning "no such thing" (a malformed id or alias is a BAD_VALUE); anything else is a real failure.
 NOT_FOUND, BAD_VALUE = "RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"
+ALREADY_EXISTS = "RESOURCE_ALREADY_EXISTS"
 DB_FILE = "mlflow.db"
 ARTIFACT_DIR = "mlartifacts"
 # Schemes that name a tracking server; such a server decides where artifacts go.
@@ -110,7 +111,12 @@ def ensure_experiment(name: str, root: Path) -> str:
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
         location = (project_root(root) / ARTIFACT_DIR).as_uri() if _local_store(uri) else None
-        return client.create_experiment(name, artifact_location=location)
+        try:
+            return client.create_experiment(name, artifact_location=location)
+        except MlflowException as exc:  # another process (a parallel queued experiment) created it first
+            if exc.error_code != ALREADY_EXISTS and "UNIQUE constraint" not in str(exc):
+                raise
+            experiment = client.get_experiment_by_name(name)
     if experiment.lifecycle_stage == LifecycleStage.DELETED:
         warnings.warn(f"MLflow experiment {name!r} was deleted; restoring it", stacklevel=2)
         client.restore_experiment(experiment.experiment_id)
