@@ -10,16 +10,14 @@ import pandas as pd
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
-from ultrathink.config import EvaluateConfig, ModelConfig, RegistryConfig
+from ultrathink.config import EvaluateConfig, ModelConfig, RegistryConfig, TokenizerConfig
 from ultrathink.evaluate import Yardstick
 from ultrathink.model import UltraThink
 from ultrathink.model.generate import generate_text
 from ultrathink.registry.promote import champion_uri, promote
 from ultrathink.registry.tracking import load_run_id, save_run_id, start_or_resume_run
-from ultrathink.tokenizer import load_tokenizer
+from ultrathink.tokenizer import load_tokenizer, train_tokenizer
 
 TINY = ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, seq_len=32)
 REG = RegistryConfig(model_name="tiny", experiment="tiny-exp")
@@ -29,15 +27,7 @@ TEXT = ["def f(x):\n    return x + 1\n", "The class statement defines a class.",
 
 
 def make_tokenizer(out_dir) -> None:
-    """A tiny byte-level BPE saved the way ultrathink.tokenizer saves one."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|pad|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(TEXT, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
-    fast.save_pretrained(out_dir)
+    train_tokenizer(TEXT, TokenizerConfig(vocab_size=300), out_dir)
 
 
 YARDSTICK = Yardstick(("A class runs the loop.", "def g(y):\n    return y + 2\n", "The body defines a class."))

@@ -24,18 +24,16 @@ import pytest
 import torch
 from filelock import FileLock
 from mlflow.tracking import MlflowClient
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 from typer.testing import CliRunner
 
 from ultrathink.cli import app
-from ultrathink.config import EvaluateConfig, ModelConfig, RegistryConfig
+from ultrathink.config import EvaluateConfig, ModelConfig, RegistryConfig, TokenizerConfig
 from ultrathink.evaluate import Yardstick, encode_documents, score_documents
 from ultrathink.model import UltraThink
 from ultrathink.registry.champion import actor, champion_history, lock_path, rollback, version_yardstick
 from ultrathink.registry.promote import promote
 from ultrathink.registry.tracking import ensure_experiment, use_tracking
-from ultrathink.tokenizer import load_tokenizer
+from ultrathink.tokenizer import load_tokenizer, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, seq_len=32)
@@ -57,17 +55,10 @@ YARD_HARD = Yardstick(tuple(f"Quixotic {w} vexes {n} wyverns; JAZZ-{n * 7} zig {
                             for w, n in zip(["onyx", "kiwi", "plume", "quartz", "vortex"] * 4, range(20))))
 
 
-# ---- helpers (copied in spirit from tests/test_registry.py) ----
+# ---- helpers ----
 
-def make_tokenizer(out_dir: Path) -> None:
-    """A tiny byte-level BPE saved the way ultrathink.tokenizer saves one."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|pad|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(TRAIN, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>").save_pretrained(out_dir)
+def make_tokenizer(out_dir) -> None:
+    train_tokenizer(TRAIN, TokenizerConfig(vocab_size=300), out_dir)
 
 
 def train_model(out_dir: Path, tokenizer, steps: int, seed: int = 0) -> Path:
