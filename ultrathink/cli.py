@@ -7,7 +7,6 @@ import importlib
 import logging
 import math
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -106,28 +105,16 @@ def _registry(name: Optional[str]):
 @registry_app.command("list")
 def registry_list(name: Optional[str] = MODEL_NAME_OPT) -> None:
     """Every version: aliases, val_bpb and the text it was measured on, lineage, champion moves."""
-    from ultrathink.registry.champion import champion_history
+    from ultrathink.registry.champion import champion_history, describe_versions
 
     client, model = _registry(name)
-    versions = sorted(client.search_model_versions(f"name='{model}'"), key=lambda v: int(v.version))
-    if not versions:
+    rows = describe_versions(client, model)
+    if not rows:
         err.print(f"no versions of {model!r} in {client.tracking_uri}")
         raise typer.Exit(1)
-    aliases: dict[int, list[str]] = {}  # search_model_versions leaves ModelVersion.aliases empty: ask the model
-    for alias, number in client.get_registered_model(model).aliases.items():
-        aliases.setdefault(int(number), []).append(alias)
-    table = Table("version", "aliases", "val_bpb", "yardstick", "git", "data", "parent", "created", "events",
-                  title=f"{model} ({client.tracking_uri})")
-    for v in versions:
-        t = v.tags
-        yardstick = f"{t.get('yardstick_sha256', '?')[:12]} ({t.get('yardstick_bytes', '?')} B)"
-        events = "; ".join(f"{kind} {t[kind + '_at']} by {t.get(kind + '_by', '?')}: {t.get(kind + '_why', '')}"
-                           for kind in ("champion", "rolled_back") if kind + "_at" in t)
-        table.add_row(str(v.version), ",".join(sorted(aliases.get(int(v.version), []))),
-                      f"{float(t['val_bpb']):.4f}" if "val_bpb" in t else "?",
-                      yardstick, t.get("git_commit", "?")[:8], t.get("data_hash", "?")[:12],
-                      t.get("parent_model", ""), time.strftime("%Y-%m-%d %H:%M", time.gmtime(v.creation_timestamp / 1000)),
-                      events)
+    table = Table(*rows[0], title=f"{model} ({client.tracking_uri})")
+    for row in rows:
+        table.add_row(*row.values())
     Console(width=200).print(table)
     print(f"champion history (oldest first): {champion_history(client, model) or 'none'}")
 

@@ -207,5 +207,28 @@ def rollback(client: MlflowClient, name: str, root: Path, by: str, why: str) -> 
         return current, target
 
 
+def describe_versions(client: MlflowClient, name: str) -> list[dict[str, str]]:
+    """One row per version, oldest first: aliases, val_bpb and its yardstick, lineage, champion moves."""
+    aliases: dict[int, list[str]] = {}  # search_model_versions leaves ModelVersion.aliases empty: ask the model
+    if client.search_registered_models(f"name='{name}'"):
+        for alias, number in client.get_registered_model(name).aliases.items():
+            aliases.setdefault(int(number), []).append(alias)
+    rows = []
+    for v in sorted(client.search_model_versions(f"name='{name}'"), key=lambda v: int(v.version)):
+        t = v.tags
+        events = "; ".join(f"{kind} {t[kind + '_at']} by {t.get(kind + '_by', '?')}: {t.get(kind + '_why', '')}"
+                           for kind in ("champion", "rolled_back") if kind + "_at" in t)
+        rows.append({
+            "version": str(v.version), "aliases": ",".join(sorted(aliases.get(int(v.version), []))),
+            "val_bpb": f"{float(t['val_bpb']):.4f}" if "val_bpb" in t else "?",
+            "yardstick": f"{t.get('yardstick_sha256', '?')[:12]} ({t.get('yardstick_bytes', '?')} B)",
+            "git": t.get("git_commit", "?")[:8], "data": t.get("data_hash", "?")[:12],
+            "parent": t.get("parent_model", ""),
+            "created": time.strftime("%Y-%m-%d %H:%M", time.gmtime(v.creation_timestamp / 1000)),
+            "events": events,
+        })
+    return rows
+
+
 def _number(version: ModelVersion | None) -> int | None:
     return int(version.version) if version is not None else None
