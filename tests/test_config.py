@@ -112,6 +112,6 @@ def test_train_stage_code_deps_are_the_code_the_fingerprint_hashes():
 
     deps = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["train"]["deps"]
     code = {d for d in deps if d.startswith(("tasks/", "ultrathink/"))}
-    assert code == {m.replace(".", "/") + (".py" if m in ("tasks.train", "ultrathink.config") else "")
+    assert code == {m.replace(".", "/") + (".py" if m in ("tasks.train", "ultrathink.config", "ultrathink.scoring") else "")
                     for m in TRAINING_CODE}
     assert code_hash() == code_hash() and code_hash(("ultrathink.config",)) != code_hash()

@@ -52,7 +52,7 @@ def weights(project: Path) -> dict:
 
 
 def test_a_code_change_retrains_and_never_publishes_the_old_weights(project):
-    before = weights(project)
+    before, champion_bpb = weights(project), metrics(project)["val_bpb"]
     model_py = project / "ultrathink/model/model.py"
     source = model_py.read_text()
     # The sign in apply_rotary: one line of the model's math.
@@ -68,6 +68,11 @@ def test_a_code_change_retrains_and_never_publishes_the_old_weights(project):
     assert summary["resumed_from"] is None and summary["steps"] == 12
     after = weights(project)
     assert any(not (before[k] == after[k]).all() for k in before)
+    # The champion was judged under its own code (the snapshot logged with it), not under the edited rotary:
+    # on the same text it scores exactly what it scored when it was registered.
+    judged = decision(project)
+    assert judged["previous_champion_version"] == 1
+    assert judged["previous_value"] == pytest.approx(champion_bpb, rel=1e-6)
     # The first configuration's checkpoints are still there, next to the new one's.
     folders = [p for p in (project / "artifacts/checkpoints").iterdir() if (p / "fingerprint.json").is_file()]
     assert len(folders) == 2 and all(any(f.glob("step_*")) for f in folders)

@@ -12,8 +12,9 @@ from ultrathink.config import Params
 from ultrathink.train.checkpoint import sha256
 
 # The code that determines the weights a training run computes: the train stage's code dependencies in dvc.yaml
-# (a test keeps the two lists equal). config.py belongs here: it derives `hidden` and `head_dim`.
-TRAINING_CODE = ("tasks.train", "ultrathink.config", "ultrathink.model", "ultrathink.train")
+# (a test keeps the two lists equal). config.py belongs here: it derives `hidden` and `head_dim`; scoring.py computes
+# the validation loss that picks the best checkpoint.
+TRAINING_CODE = ("tasks.train", "ultrathink.config", "ultrathink.model", "ultrathink.scoring", "ultrathink.train")
 
 
 def git_commit(root: str | Path = ".") -> str:

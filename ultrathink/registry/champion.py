@@ -28,7 +28,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from ultrathink.errors import StageError
-from ultrathink.evaluate import Yardstick, score_documents
+from ultrathink.evaluate import Yardstick
 from ultrathink.registry.tracking import BAD_VALUE, NOT_FOUND
 
 log = logging.getLogger(__name__)
@@ -88,14 +88,10 @@ def current_champion(client: MlflowClient, name: str) -> ModelVersion | None:
 
 
 def score_version(client: MlflowClient, name: str, version: int, yardstick: Yardstick) -> float:
-    """Bits per byte of a registered version on `yardstick`, under the version's own tokenizer."""
-    from ultrathink.model import UltraThink
-    from ultrathink.text_eval import resolve_model
-    from ultrathink.tokenizer import load_tokenizer
+    """Bits per byte of a registered version on `yardstick`, under the version's own tokenizer and own code."""
+    from ultrathink.text_eval import resolve_model_files, score_model
 
-    model_dir, tokenizer_dir = resolve_model(f"models:/{name}/{version}")
-    model = UltraThink.from_pretrained(model_dir)
-    return score_documents(model, load_tokenizer(tokenizer_dir), yardstick.documents).bits_per_byte
+    return score_model(resolve_model_files(f"models:/{name}/{version}"), yardstick.documents).bits_per_byte
 
 
 def version_yardstick(client: MlflowClient, version: ModelVersion) -> Yardstick:

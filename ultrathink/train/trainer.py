@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ultrathink import scoring
 from ultrathink.config import TrainConfig
 from ultrathink.errors import StageError
 from ultrathink.train.checkpoint import CheckpointManager
@@ -31,21 +32,11 @@ class NonFiniteLossError(StageError):
     """Training produced too many non-finite losses or gradients in a row; no checkpoint was written from them."""
 
 
-@torch.no_grad()
 def mean_loss(model, batches, precision: str) -> tuple[float, int]:
-    """Mean next-token loss over `batches` and the number of predicted tokens."""
-    was_training = model.training
-    model.eval()
+    """Mean next-token loss over `batches` and the number of predicted tokens, in `precision`."""
     device = str(next(model.parameters()).device)
-    total, count = 0.0, 0
-    for x, y in batches:
-        x, y = x.to(device), y.to(device)
-        with autocast(precision, device):
-            _, loss = model(x, y)
-        total += loss.item() * y.numel()
-        count += y.numel()
-    model.train(was_training)
-    return total / max(count, 1), count
+    return scoring.mean_loss(model, ((x.to(device), y.to(device)) for x, y in batches),
+                             lambda: autocast(precision, device))
 
 
 @dataclass
