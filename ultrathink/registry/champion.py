@@ -66,7 +66,7 @@ def lock_path(tracking_uri: str, root: Path) -> Path:
     clients on other machines are then ordered only by the re-read before each move)."""
     parsed = urlparse(tracking_uri)
     if parsed.scheme == "sqlite":  # sqlite:///relative.db or sqlite:////absolute.db (SQLAlchemy's convention)
-        return Path(parsed.path[1:]).with_suffix(".champion.lock")
+        return Path(parsed.path[1:] + ".champion.lock")
     return Path(root).resolve() / ".ultrathink" / "champion.lock"
 
 
