@@ -82,7 +82,7 @@ def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[
 
 
 def run(params: Params) -> None:
-    p, cfg = params.paths, params.train
+    cfg = params.train
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     dist = setup(cfg.backend)
