@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,69 +12,13 @@ from pathlib import Path
 import mlflow
 import pytest
 import yaml
-from mlflow.tracking import MlflowClient
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = {
-    "data": {"max_samples": 400},
-    "validate": {"min_rows": 50},
-    "tokenizer": {"vocab_size": 320},
-    "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "seq_len": 32},
-    "train": {"max_steps": 12, "batch_size": 4, "warmup_steps": 2, "eval_every": 6, "eval_batches": 2,
-              "checkpoint_every": 6, "log_every": 6, "lr": 0.01},
-    "evaluate": {"prompts": ["The"], "max_new_tokens": 8, "batch_size": 8},
-}
-
-
-def sh(args: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    env.pop("MLFLOW_TRACKING_URI", None)  # each copy uses its own sqlite registry
-    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True)
-    if check and done.returncode:
-        raise AssertionError(f"{args} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return done
-
-
-def set_params(project: Path, changes: dict) -> None:
-    path = project / "params.yaml"
-    params = yaml.safe_load(path.read_text())
-    for section, values in changes.items():
-        params.setdefault(section, {}).update(values)
-    path.write_text(yaml.safe_dump(params, sort_keys=False))
-
-
-def make_project(tmp: Path) -> Path:
-    """A git + DVC checkout of this project's tracked files, with tiny params."""
-    project = tmp / "project"
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    for name in files:
-        if (ROOT / name).is_file():
-            (project / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, project / name)
-    set_params(project, TINY)
-    sh(["git", "init", "-q"], project)
-    sh(["git", "add", "-A"], project)
-    sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"], project)
-    return project
-
-
-def client_for(project: Path) -> MlflowClient:
-    uri = f"sqlite:///{project / 'mlflow.db'}"
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
-    return MlflowClient(uri, uri)
-
-
-def ran_stages(output: str) -> list[str]:
-    return [line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage")]
-
+from e2e_helpers import client_for, copy_project, make_project, ran_stages, set_params, sh
 
 @pytest.fixture(scope="module")
-def repro_project(tmp_path_factory) -> Path:
-    project = make_project(tmp_path_factory.mktemp("repro"))
-    first = sh(["dvc", "repro"], project)
-    assert ran_stages(first.stdout) == ["validate", "tokenizer", "prepare", "train", "evaluate", "promote"]
-    return project
+def repro_project(trained_project, tmp_path_factory) -> Path:
+    """This module's own copy of the trained project; its tests change it in order."""
+    return copy_project(trained_project, tmp_path_factory.mktemp("repro"))
 
 
 def test_repro_registers_a_champion_that_generates(repro_project):

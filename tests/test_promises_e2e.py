@@ -2,13 +2,16 @@
 change the code, switch the data and back, change a knob and go back, warm start from the champion, score the same
 text two ways, and sweep with queued DVC experiments into the project's one store.
 
-Each test works on its own copy of one trained baseline project (a `dvc repro` of the tiny pipeline), so they pass
-alone and in any order."""
+Each test works on its own copy of the session's trained project (conftest.trained_project: a `dvc repro` of the tiny
+pipeline), so they pass alone and in any order."""
 
 from __future__ import annotations
 
 import json
-import shutil
+import os
+import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,27 +19,14 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from test_pipeline_e2e import client_for, make_project, ran_stages, set_params, sh
+from e2e_helpers import client_for, copy_project, ran_stages, set_params, sh
 
 pytestmark = pytest.mark.slow  # several minutes of real DVC runs: run by `make test`; `-m "not slow"` skips them
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory) -> Path:
-    project = make_project(tmp_path_factory.mktemp("baseline"))
-    sh(["dvc", "repro"], project)
-    sh(["git", "add", "-A"], project)
-    sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline run"], project)
-    return project
-
-
 @pytest.fixture
-def project(baseline, tmp_path) -> Path:
-    """A copy of the trained baseline. The store's experiment keeps the baseline's artifact folder (an absolute
-    path), so the copy's new runs write their files there: fine for a test, nothing reads them across copies."""
-    copy = tmp_path / "project"
-    shutil.copytree(baseline, copy, symlinks=True)
-    return copy
+def project(trained_project, tmp_path) -> Path:
+    return copy_project(trained_project, tmp_path)
 
 
 def metrics(project: Path) -> dict:
@@ -187,3 +177,32 @@ def test_queued_sweep_lands_in_the_project_store_and_the_best_is_champion(projec
     sh(["dvc", "exp", "apply", winner], project)
     assert ran_stages(sh(["dvc", "repro"], project).stdout) == []
     assert yaml.safe_load((project / "params.yaml").read_text())["train"]["max_steps"] == 8
+
+
+def test_the_flow_retries_promote_through_a_store_that_stays_busy(project):
+    """A store locked for longer than SQLite's busy timeout fails the promote stage once; Prefect retries that stage
+    (it is idempotent), and the retry registers the model once."""
+    set_params(project, {"registry": {"model_name": "retried"}})  # only promote is stale
+    store = sqlite3.connect(project / "mlflow.db", timeout=0, isolation_level=None)
+    store.execute("BEGIN EXCLUSIVE")  # another writer holding the store: every reader and writer waits, then fails
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    flow = subprocess.Popen([sys.executable, "-m", "flows.pipeline"], cwd=project, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines, released = [], False
+    try:
+        for line in flow.stdout:
+            lines.append(line)
+            if "Retry 1/2 will start" in line and not released:
+                store.execute("COMMIT")  # the store frees up before the retry starts
+                released = True
+        flow.wait(timeout=300)
+    finally:
+        if not released:
+            store.execute("ROLLBACK")
+        store.close()
+    log = "".join(lines)
+    assert flow.returncode == 0 and released, log[-3000:]
+    assert "promote: ran in" in log and "database is locked" in log
+    assert decision(project)["promoted"] and decision(project)["model_name"] == "retried"
+    assert [int(v.version) for v in client_for(project).search_model_versions("name='retried'")] == [1]
