@@ -488,3 +488,16 @@ def test_champion_from_dirs_not_named_model_and_tokenizer_can_be_scored(assets, 
     assert better["promoted"], better["reason"]
     assert better["previous_champion_version"] == 1
     assert better["previous_value"] == pytest.approx(bpb(assets.weak, assets.tok, YARD_A), rel=1e-6)
+
+
+def test_a_tie_within_float_noise_keeps_the_champion():
+    """The same weights retrained score the same up to float summation order: that is no reason to move."""
+    from mlflow.entities.model_registry import ModelVersion
+
+    from ultrathink.registry.champion import TIE_TOLERANCE, judge
+
+    champion = ModelVersion(NAME, "1", 0)
+    tie = judge(None, NAME, 2, 1.6656575414, YARD_A, champion, lambda v: 1.6656576037)
+    assert not tie.promoted and "a tie within" in tie.reason and tie.champion_bpb == 1.6656576037
+    better = judge(None, NAME, 2, 1.66 * (1 - 3 * TIE_TOLERANCE), YARD_A, champion, lambda v: 1.66)
+    assert better.promoted and "on the same text" in better.reason

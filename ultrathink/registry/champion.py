@@ -38,6 +38,9 @@ CHALLENGER = "challenger"
 HISTORY_TAG = "champion_history"  # registered-model tag: versions that became champion, oldest first
 YARDSTICK_ARTIFACT = "yardstick/yardstick.jsonl"  # in a version's run: the text its val_bpb was measured on
 LOCK_WAIT_SECONDS = 1800
+# Relative margin a challenger must win by. The same weights retrained bit for bit score the same up to float
+# summation order (the stage and the scorer batch windows differently): ~4e-8 measured; such a tie keeps the champion.
+TIE_TOLERANCE = 1e-6
 _MAX_RETRIES = 5
 _HISTORY_KEEP = 200  # entries of champion_history kept (a tag value is limited in size)
 
@@ -126,11 +129,11 @@ def judge(client: MlflowClient, name: str, version: int, bpb: float, yardstick: 
                         theirs, None)
     if not math.isfinite(champion_bpb):
         return Decision(True, f"champion v{theirs} scores {champion_bpb} on the yardstick", theirs, champion_bpb)
-    if bpb < champion_bpb:
+    if bpb < champion_bpb * (1 - TIE_TOLERANCE):
         return Decision(True, f"val_bpb {bpb:.6g} < champion v{theirs}'s {champion_bpb:.6g} on the same text",
                         theirs, champion_bpb)
     return Decision(False, f"val_bpb {bpb:.6g} is not lower than champion v{theirs}'s {champion_bpb:.6g} on the "
-                    "same text", theirs, champion_bpb)
+                    f"same text (a tie within {TIE_TOLERANCE:g} keeps the champion)", theirs, champion_bpb)
 
 
 def decide_and_move(client: MlflowClient, name: str, version: int, bpb: float, yardstick: Yardstick, root: Path,
