@@ -198,8 +198,8 @@ def test_champion_is_judged_on_the_challengers_own_text(assets, store):
     assert version_tags(client, 1)["champion_why"] == "no champion yet"
     assert champion_history(client, NAME) == [1, 3]
     assert tags["yardstick_sha256"] == YARD_C.sha256 and float(tags["val_bpb"]) == better["value"]
-    assert version_yardstick(client, client.get_model_version(NAME, "3")) == YARD_C
-    assert version_yardstick(client, client.get_model_version(NAME, "2")) == YARD_B
+    assert version_yardstick(client.get_model_version(NAME, "3")) == YARD_C
+    assert version_yardstick(client.get_model_version(NAME, "2")) == YARD_B
     assert {k: tags[k] for k in TAGS} == TAGS
 
 
@@ -497,7 +497,7 @@ def test_a_tie_within_float_noise_keeps_the_champion():
     from ultrathink.registry.champion import TIE_TOLERANCE, judge
 
     champion = ModelVersion(NAME, "1", 0)
-    tie = judge(None, NAME, 2, 1.6656575414, YARD_A, champion, lambda v: 1.6656576037)
+    tie = judge(2, 1.6656575414, champion, lambda v: 1.6656576037)
     assert not tie.promoted and "a tie within" in tie.reason and tie.champion_bpb == 1.6656576037
-    better = judge(None, NAME, 2, 1.66 * (1 - 3 * TIE_TOLERANCE), YARD_A, champion, lambda v: 1.66)
+    better = judge(2, 1.66 * (1 - 3 * TIE_TOLERANCE), champion, lambda v: 1.66)
     assert better.promoted and "on the same text" in better.reason

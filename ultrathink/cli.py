@@ -136,7 +136,7 @@ def registry_promote(version: int = typer.Argument(..., help="the version to mak
             decision = decide_and_move(client, model, version, math.nan, None, Path("."), actor(),
                                        force_reason=reason or "no reason given")
         else:
-            yardstick = version_yardstick(client, target)
+            yardstick = version_yardstick(target)
             decision = decide_and_move(client, model, version, float(target.tags["val_bpb"]), yardstick, Path("."),
                                        actor())
     except (RegistryError, KeyError, MlflowException) as exc:

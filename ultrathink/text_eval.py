@@ -15,7 +15,6 @@ package) is today's, loaded by path.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -119,7 +118,7 @@ def score_model(files: ModelFiles, documents) -> TextScore:
         args = [sys.executable, "-c", _SNAPSHOT_SCORER, str(files.code_dir.resolve()), scoring.__file__,
                 str(files.model_dir.resolve()), str(files.tokenizer_dir.resolve()), str(documents_file)]
         # Run from the temp dir so the project's own `ultrathink/` (the cwd) cannot shadow the snapshot.
-        done = subprocess.run(args, cwd=tmp, capture_output=True, text=True, env=dict(os.environ))
+        done = subprocess.run(args, cwd=tmp, capture_output=True, text=True)
     if done.returncode:
         raise StageError(f"scoring {files.model_dir} under its own code failed: {done.stderr.strip()[-800:]}")
     return TextScore(**json.loads(done.stdout.strip().splitlines()[-1]))

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import getpass
+import json
 import logging
 import math
 import socket
@@ -19,7 +20,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 import mlflow
 from filelock import FileLock
@@ -29,7 +29,7 @@ from mlflow.tracking import MlflowClient
 
 from ultrathink.errors import StageError
 from ultrathink.evaluate import Yardstick
-from ultrathink.registry.tracking import BAD_VALUE, NOT_FOUND
+from ultrathink.registry.tracking import BAD_VALUE, NOT_FOUND, sqlite_path
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +67,8 @@ def actor() -> str:
 def lock_path(tracking_uri: str, root: Path) -> Path:
     """The file that serialises champion moves: beside a SQLite store, else in the project (a remote server's
     clients on other machines are then ordered only by the re-read before each move)."""
-    parsed = urlparse(tracking_uri)
-    if parsed.scheme == "sqlite":  # sqlite:///relative.db or sqlite:////absolute.db (SQLAlchemy's convention)
-        return Path(parsed.path[1:] + ".champion.lock")
-    return Path(root).resolve() / ".ultrathink" / "champion.lock"
+    db = sqlite_path(tracking_uri)
+    return Path(f"{db}.champion.lock") if db else Path(root).resolve() / ".ultrathink" / "champion.lock"
 
 
 def champion_lock(root: Path) -> FileLock:
@@ -90,17 +88,15 @@ def current_champion(client: MlflowClient, name: str) -> ModelVersion | None:
         raise
 
 
-def score_version(client: MlflowClient, name: str, version: int, yardstick: Yardstick) -> float:
+def score_version(name: str, version: int, yardstick: Yardstick) -> float:
     """Bits per byte of a registered version on `yardstick`, under the version's own tokenizer and own code."""
     from ultrathink.text_eval import resolve_model_files, score_model
 
     return score_model(resolve_model_files(f"models:/{name}/{version}"), yardstick.documents).bits_per_byte
 
 
-def version_yardstick(client: MlflowClient, version: ModelVersion) -> Yardstick:
+def version_yardstick(version: ModelVersion) -> Yardstick:
     """The text a version was measured on, from its run's artifacts."""
-    import json
-
     try:
         local = mlflow.artifacts.download_artifacts(run_id=version.run_id, artifact_path=YARDSTICK_ARTIFACT)
     except (MlflowException, OSError) as exc:
@@ -110,10 +106,9 @@ def version_yardstick(client: MlflowClient, version: ModelVersion) -> Yardstick:
     return Yardstick(tuple(json.loads(line)["text"] for line in lines if line.strip()))
 
 
-def judge(client: MlflowClient, name: str, version: int, bpb: float, yardstick: Yardstick,
-          champion: ModelVersion | None, score: Callable[[int], float]) -> Decision:
-    """Should `version` (bpb on `yardstick`) take over from `champion`? The champion is scored on the same text;
-    if it cannot be, it is kept and the decision says why."""
+def judge(version: int, bpb: float, champion: ModelVersion | None, score: Callable[[int], float]) -> Decision:
+    """Should `version` (its bpb on a yardstick) take over from `champion`? `score(v)` scores a version on the same
+    text; if the champion cannot be scored, it is kept and the decision says why."""
     if not math.isfinite(bpb):
         return Decision(False, f"val_bpb={bpb} is not finite", _number(champion), None)
     if champion is None:
@@ -150,8 +145,7 @@ def decide_and_move(client: MlflowClient, name: str, version: int, bpb: float, y
                 decision = Decision(False, f"v{version} was rolled back ({rolled_back}); it returns only by hand: "
                                     f"ultrathink registry promote {version} --force", _number(champion), None)
             else:
-                decision = judge(client, name, version, bpb, yardstick, champion,
-                                 lambda v: score_version(client, name, v, yardstick))
+                decision = judge(version, bpb, champion, lambda v: score_version(name, v, yardstick))
             if not decision.promoted or _number(champion) == version:
                 return decision
             if _number(current_champion(client, name)) == _number(champion):  # compare ...

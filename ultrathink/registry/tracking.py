@@ -72,14 +72,17 @@ def use_tracking(root: Path) -> str:
     return uri
 
 
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a SQLite URI (sqlite:////absolute/path or sqlite:///relative/path), else None."""
+    parsed = urlparse(uri)
+    return Path(parsed.path[1:]) if parsed.scheme == "sqlite" else None
+
+
 def _create_store_once(uri: str) -> None:
     """Create (migrate) a SQLite store under a lock: two processes creating one new file at once leave it broken
     ("table _alembic_tmp_tags already exists"), as two queued DVC experiments starting together would."""
-    parsed = urlparse(uri)
-    if parsed.scheme != "sqlite":
-        return
-    db = Path(parsed.path[1:])  # sqlite:////absolute/path or sqlite:///relative/path
-    if str(db) in _CREATED:
+    db = sqlite_path(uri)
+    if db is None or str(db) in _CREATED:
         return
     db.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(db) + ".create.lock", timeout=600):
