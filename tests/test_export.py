@@ -59,7 +59,7 @@ def test_moe_model_exports_as_mixtral(tmp_path, tokenizer_dir):
 
 
 @pytest.mark.parametrize("model, reason", [
-    (dict(dre=dict(enabled=True)), "Mixture-of-Depths"),
+    (dict(dre=dict(enabled=True)), "RoutedBlock: transformers has no such architecture"),
     (dict(moe=dict(enabled=True, every=2, groups=GROUPS)), "every block"),
     (dict(moe=dict(enabled=True, every=1, top_k=1, groups=GROUPS)), "top_k=1"),
     (dict(moe=dict(enabled=True, every=1, bias_balancing=True, groups=GROUPS)), "bias_balancing"),

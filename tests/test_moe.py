@@ -106,7 +106,7 @@ def test_training_loss_adds_weighted_aux_losses_and_eval_loss_is_pure_cross_entr
     router_logits = {}  # captured by hooks, to recompute each layer's aux losses by hand
     hooks = [m.router.register_forward_hook(lambda mod, inp, out, i=i: router_logits.__setitem__(i, out.float()))
              for i, m in model.moe_layers.items()]
-    logits, loss = model(x, y)
+    logits, loss = model(x, y)[:2]
     for h in hooks:
         h.remove()
     ce = F.cross_entropy(logits.view(-1, VOCAB), y.view(-1))

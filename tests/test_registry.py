@@ -48,7 +48,7 @@ def make_model(out_dir, vocab_size: int, seed: int, quality: str = "random", tok
         for step in range(40):
             start = (step * 7) % (len(stream) - 33)
             window = stream[start : start + 33][None]
-            _, loss = model(window[:, :-1], window[:, 1:])
+            loss = model(window[:, :-1], window[:, 1:]).loss
             opt.zero_grad()
             loss.backward()
             opt.step()

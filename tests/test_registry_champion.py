@@ -71,7 +71,7 @@ def train_model(out_dir: Path, tokenizer, steps: int, seed: int = 0) -> Path:
     for _ in range(steps):
         starts = torch.randint(0, len(stream) - TINY.seq_len - 1, (16,), generator=gen)
         rows = torch.stack([stream[s : s + TINY.seq_len + 1] for s in starts])
-        _, loss = model(rows[:, :-1], rows[:, 1:])
+        loss = model(rows[:, :-1], rows[:, 1:]).loss
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -40,7 +40,7 @@ def test_score_matches_a_direct_cross_entropy(artifacts):
     with torch.no_grad():
         for start in range(0, len(tokens) - 1, 16):  # each window sees only its own context, as the scorer does
             window = tokens[start : start + 17]
-            logits, _ = model(window[None, :-1])
+            logits = model(window[None, :-1]).logits
             total += F.cross_entropy(logits[0], window[1:], reduction="sum").item()
     score = score_documents(model, tok, docs)
     n_bytes = sum(len(d.encode("utf-8")) for d in docs)

@@ -133,7 +133,20 @@ class MoEGroups(Section):
     safety: int = Field(1, ge=0)
 
 
-class MoEConfig(Section):
+class VariantConfig(Section):
+    """A model variant's section (model.moe, model.dre, ...): `implementation` names the RoutingModule class
+    (ultrathink/model/routing.py) that builds it into the blocks it `applies_to`. A new variant is its own file
+    plus a section like these in ModelConfig; the model finds it here."""
+
+    implementation: ClassVar[str]  # "module:Class"
+
+    def applies_to(self, layer: int) -> bool:
+        return self.enabled and (layer + 1) % self.every == 0
+
+
+class MoEConfig(VariantConfig):
+    implementation: ClassVar[str] = "ultrathink.model.moe:MoE"
+
     enabled: bool = Field(False, description="replace the MLP of every `every`-th block with a sparse MoE layer")
     every: int = Field(2, ge=1, description="MoE in blocks every, 2·every, ... (counting from 1); 1: every block")
     top_k: int = Field(2, ge=1, description="experts each token is routed to")
@@ -153,9 +166,6 @@ class MoEConfig(Section):
     def n_experts(self) -> int:
         return sum(self.groups.model_dump().values())
 
-    def applies_to(self, layer: int) -> bool:
-        return self.enabled and (layer + 1) % self.every == 0
-
     @model_validator(mode="after")
     def _top_k_fits(self) -> "MoEConfig":
         if self.enabled and not self.top_k <= self.n_experts:
@@ -163,8 +173,10 @@ class MoEConfig(Section):
         return self
 
 
-class DREConfig(Section):
+class DREConfig(VariantConfig):
     """Dynamic Reasoning Engine: Mixture-of-Depths routing (ultrathink/model/dre.py)."""
+
+    implementation: ClassVar[str] = "ultrathink.model.dre:RoutedBlock"
 
     enabled: bool = Field(False, description="route tokens around every `every`-th block (Mixture-of-Depths)")
     every: int = Field(2, ge=1, description="routed blocks: every, 2·every, ... (counting from 1)")
@@ -176,9 +188,6 @@ class DREConfig(Section):
     aux_loss_weight: float = Field(
         0.1, ge=0, description="weight of the router's BCE toward top-capacity membership (keeps the threshold "
         "at its share of tokens)")
-
-    def applies_to(self, layer: int) -> bool:
-        return self.enabled and (layer + 1) % self.every == 0
 
 
 class ModelConfig(Section):
@@ -211,6 +220,11 @@ class ModelConfig(Section):
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    def variants(self) -> list[VariantConfig]:
+        """The enabled variant sections (model.moe, model.dre, ...), in field order."""
+        sections = (getattr(self, name) for name in type(self).model_fields)
+        return [s for s in sections if isinstance(s, VariantConfig) and s.enabled]
 
     @property
     def hidden(self) -> int:

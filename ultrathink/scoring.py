@@ -47,14 +47,15 @@ def encode_documents(tokenizer, documents) -> torch.Tensor:
 
 @torch.no_grad()
 def mean_loss(model, batches, context=nullcontext) -> tuple[float, int]:
-    """Mean next-token loss of `model(x, y) -> (logits, loss)` over (x, y) batches, weighting each batch by its
-    number of targets, and that number; `context()` wraps each forward (e.g. autocast)."""
+    """Mean next-token loss of `model(x, y) -> (logits, loss, ...)` over (x, y) batches, weighting each batch by
+    its number of targets, and that number; `context()` wraps each forward (e.g. autocast). The loss is read by
+    position: registered models are scored with the code they were trained with, old and new (text_eval.py)."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     for x, y in batches:
         with context():
-            _, loss = model(x, y)
+            loss = model(x, y)[1]
         total += loss.item() * y.numel()
         count += y.numel()
     model.train(was_training)

@@ -7,16 +7,21 @@ block output is scaled by sigmoid(score): that product is how the router gets it
 Causality: MoD picks the top-k scores of the whole sequence, so whether token t is processed depends on later
 tokens, which generation cannot know. Here a token is selected when its score exceeds a threshold, in training and
 at inference alike, so a decision depends only on the token's own residual (itself a function of earlier tokens).
-The thresholds are buffers: after each optimizer step they move toward the (1 − capacity) quantile of the scores
-seen in that step's training forwards (one threshold per path preset), so each preset keeps about its share of
-tokens on the training distribution. An optimizer moves the router faster than a running quantile can follow, so
-an auxiliary loss (MoD's own, §3.5) anchors the scores: binary cross-entropy of (score − threshold) against "is
-among the top capacity·T scores of its sequence" — a label only, never a routing decision. For the first
-`warmup_steps` steps every token goes through the block (capacity 1) while that loss already shapes the router.
+The thresholds are buffers: after each applied optimizer step they move toward the (1 − capacity) quantiles of the
+scores seen in that step's training forwards, averaged over micro-batches and ranks (`update`; one threshold per
+path preset), so each preset keeps about its share of tokens on the training distribution. An optimizer moves the
+router faster than a running quantile can follow, so an auxiliary loss (MoD's own, §3.5) anchors the scores: binary
+cross-entropy of (score − threshold) against "is among the top capacity·T scores of its sequence" — a label only,
+never a routing decision. For the first `warmup_steps` steps every token goes through the block (capacity 1) while
+that loss already shapes the router.
 
-Rows of a batch select different numbers of tokens. Each row's selected tokens are gathered in position order and
-padded to the longest row with some of its unselected tokens; those slots take the key position HIDDEN, so the
-mask "key position ≤ query position" hides them from every real token, in the batch and later in the KV cache.
+Compute follows the kept tokens, not the longest row: the MLP runs on exactly the kept tokens of the whole batch
+(one flat set, no padding). Attention needs rows: each row's kept tokens are gathered in position order and padded
+to the row with the most with some of its unselected tokens, which sit after every kept token of the row. So in
+training and scoring (no KV cache) plain causal attention over the gathered rows is exact: a kept token sees the
+kept tokens before it, never a padding slot, and the fused causal kernel applies. With a KV cache (generation) the
+padding slots take the key position HIDDEN and an explicit mask "key position ≤ query position" hides them from
+every real token, in the batch and later in the cache.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ultrathink.config import DREConfig
+from ultrathink.model.routing import Records, Routing, RoutingModule, Stats, block_index, count, numel, prefixed
 
 PATHS = {"fast": 0.25, "standard": 0.5, "deep": 0.75}
 CAPACITIES = torch.tensor(list(PATHS.values()))
@@ -35,7 +41,7 @@ THRESHOLD_EMA = 0.5  # share of the newly observed quantile taken per step (the 
 HIDDEN = torch.iinfo(torch.long).max  # key position of padding slots: after every real query
 
 
-class RoutedBlock(nn.Module):
+class RoutedBlock(RoutingModule):
     def __init__(self, block: nn.Module, d_model: int, cfg: DREConfig):
         super().__init__()
         self.block, self.cfg = block, cfg
@@ -43,11 +49,14 @@ class RoutedBlock(nn.Module):
         # Persistent: thresholds and the step count decide routing, so checkpoints and saved models carry them.
         self.register_buffer("thresholds", torch.zeros(len(PATHS)))
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
-        self.register_buffer("step_quantiles", torch.zeros(len(PATHS)), persistent=False)
-        self.register_buffer("step_batches", torch.zeros((), dtype=torch.long), persistent=False)
-        self.aux_loss: torch.Tensor | None = None  # weighted router loss of the last training forward
-        self.kept: float | None = None  # share of tokens the last forward sent through the block
-        self.computed: float | None = None  # share of token slots it computed (kept + padding)
+        # Counted before any sharding (ZeRO-3 leaves each rank an empty placeholder): the FLOPs a kept token costs.
+        self.attn_params = sum(numel(p) for p in block.attn.parameters())
+        self.mlp_params = sum(numel(p) for p in block.mlp.parameters())
+
+    @classmethod
+    def build(cls, cfg, layer: int, block: nn.Module) -> nn.Module:
+        """The whole block is routed: wrapped, with its own router."""
+        return cls(block, cfg.d_model, cfg.dre) if cfg.dre.applies_to(layer) else block
 
     def path(self) -> str | None:
         """The path preset routing uses now; None while warming up (every token goes through)."""
@@ -55,76 +64,93 @@ class RoutedBlock(nn.Module):
             return self.cfg.force_path
         return self.cfg.path if self.steps >= self.cfg.warmup_steps else None
 
-    def forward(self, x, cos, sin, cache=None) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache=None) -> tuple[torch.Tensor, Records]:
+        """(B, T, d) → (B, T, d) and the records of this block and of what runs inside it. Statistics: tokens
+        seen and kept, attention query slots and query·key pairs computed (padding included), and in training the
+        score quantiles the thresholds move toward."""
+        B, T, d = x.shape
         scores = self.router(x).squeeze(-1).float()  # (B, T)
-        self.aux_loss = self._router_loss(scores) if self.training else None
+        stats = {"forwards": count(1, x), "tokens": count(B * T, x)}
+        aux = None
+        if self.training:
+            stats["quantiles"] = torch.quantile(scores.detach().flatten(), 1 - CAPACITIES.to(x.device)).double()
+            aux = self._router_loss(scores)
         path = self.path()
         if path is None:
-            self.kept = self.computed = 1.0
-            return self.block(x, cos, sin, cache)
+            out, inner = self.block(x, cos, sin, cache)
+            stats.update(kept=count(B * T, x), slots=count(B * T, x), pairs=count(B * T * T, x), routed=count(0, x))
+            return out, {"": Routing(aux, stats), **prefixed("block", inner)}
         selected = scores.detach() > self.thresholds[list(PATHS).index(path)]
+        # At least one slot per row, even when no token is kept: the block's weights then get a zero gradient
+        # rather than none, so every rank's backward produces the same gradients (DDP and ZeRO count on it).
+        width = max(1, int(selected.sum(dim=1).max()))
+        out, inner = self._route(x, scores, selected, width, cos, sin, cache)
+        stats.update(kept=selected.sum().double(), slots=count(B * width, x), pairs=count(B * width * width, x),
+                     routed=count(1, x))
+        return out, {"": Routing(aux, stats), **prefixed("block", inner)}
+
+    def _route(self, x, scores, selected, width, cos, sin, cache) -> tuple[torch.Tensor, Records]:
         B, T, d = x.shape
-        width = int(selected.sum(dim=1).max())
-        self.kept, self.computed = selected.float().mean().item(), width / T
-        if width == 0:
-            return x
         position = torch.arange(T, device=x.device).expand(B, T)
         # Per row: the selected positions in order, then unselected ones as padding up to `width`.
-        order = torch.where(selected, position, position + T).argsort(dim=1)[:, :width]
+        order = torch.where(selected, position, position + T).argsort(dim=1)[:, :width]  # (B, width)
         picked = selected.gather(1, order)
-        start = cache.length if cache is not None else 0
-        query_pos = torch.where(picked, order + start, HIDDEN)
-        key_pos = query_pos
-        if cache is not None:
-            past = cache.positions[self.block.layer]
-            key_pos = query_pos if past is None else torch.cat([past, query_pos], dim=1)
-            cache.positions[self.block.layer] = key_pos
-        mask = (key_pos[:, None, :] <= query_pos[:, :, None]).unsqueeze(1)  # (B, 1, width, keys)
-        index = order[..., None].expand(-1, -1, d)
-        xs = x.gather(1, index)
-        out = self.block(xs, cos[order].unsqueeze(1), sin[order].unsqueeze(1), cache, mask)
-        weight = torch.sigmoid(scores.gather(1, order)) * picked
-        return x.scatter_add(1, index, (out - xs) * weight[..., None].to(x.dtype))
+        xs = x.gather(1, order[..., None].expand(-1, -1, d))
+        mask = None if cache is None else self._cache_mask(order, picked, cache)
+        attended = self.block.attend(xs, cos[order].unsqueeze(1), sin[order].unsqueeze(1), cache, mask)
+        # The MLP sees only kept tokens: one flat (1, kept, d) set over the whole batch.
+        mixed = (xs + attended)[picked]
+        fed, inner = self.block.feed(mixed[None])
+        delta = attended[picked] + fed[0]
+        rows, positions = picked.nonzero(as_tuple=True)[0], order[picked]  # each kept token's place in x
+        weight = torch.sigmoid(scores[rows, positions])[:, None].to(x.dtype)
+        # Out of place and not a view: FSDP hooks this output for backward.
+        return x.index_put((rows, positions), delta * weight, accumulate=True), inner
+
+    def _cache_mask(self, order, picked, cache) -> torch.Tensor:
+        """Generation: positions of this chunk's slots appended to the cached ones; padding slots are HIDDEN."""
+        query_pos = torch.where(picked, order + cache.length, HIDDEN)
+        past = cache.positions[self.block.layer]
+        key_pos = query_pos if past is None else torch.cat([past, query_pos], dim=1)
+        cache.positions[self.block.layer] = key_pos
+        return (key_pos[:, None, :] <= query_pos[:, :, None]).unsqueeze(1)  # (B, 1, width, keys)
 
     def _router_loss(self, scores: torch.Tensor) -> torch.Tensor:
-        """Record this batch's score quantiles and return the weighted BCE that keeps the trained path's threshold
-        at its capacity."""
-        self.step_quantiles += torch.quantile(scores.detach().flatten(), 1 - CAPACITIES.to(scores.device))
-        self.step_batches += 1
+        """The weighted BCE that keeps the trained path's threshold at its capacity."""
         k = math.ceil(PATHS[self.cfg.path] * scores.shape[1])
         in_top = torch.zeros_like(scores).scatter(1, scores.detach().topk(k, dim=1).indices, 1.0)
         threshold = self.thresholds[list(PATHS).index(self.cfg.path)]
         return self.cfg.aux_loss_weight * F.binary_cross_entropy_with_logits(scores - threshold, in_top)
 
     @torch.no_grad()
-    def after_optimizer_step(self) -> None:
+    def update(self, stats: Stats) -> None:
         """Count the step and move the thresholds toward this step's observed quantiles."""
-        if self.step_batches > 0:
-            observed = self.step_quantiles / self.step_batches
+        observed = (stats["quantiles"] / stats["forwards"]).to(self.thresholds)
+        if torch.isfinite(observed).all():
             # The first observation replaces the arbitrary initial 0 outright.
             self.thresholds.lerp_(observed, 1.0 if self.steps == 0 else THRESHOLD_EMA)
-            self.step_quantiles.zero_()
-            self.step_batches.zero_()
         self.steps += 1
 
+    @classmethod
+    def metrics(cls, modules: dict[str, tuple["RoutedBlock", Stats]], model: nn.Module) -> dict[str, float]:
+        """Share of tokens each routed block (by block index) processed, and the FLOPs per token spent relative
+        to the same model run dense: weights count for the slots they ran on (attention: kept tokens and
+        padding; MLP: kept tokens), attention scores for the query·key pairs computed."""
+        d, T = model.cfg.d_model, model.cfg.seq_len
+        metrics, saved = {}, 0.0
+        for name, (block, s) in modules.items():
+            tokens = s["tokens"].item()
+            metrics[f"dre/layer{block_index(name)}/kept"] = s["kept"].item() / tokens
+            saved += (6 * block.attn_params * (1 - s["slots"].item() / tokens)
+                      + 6 * block.mlp_params * (1 - s["kept"].item() / tokens)
+                      + 12 * d * T * (1 - s["pairs"].item() / (tokens * T)))
+        kept = [v for k, v in metrics.items() if k.endswith("/kept")]
+        metrics["dre_kept"] = sum(kept) / len(kept)
+        metrics["dre_flops_ratio"] = 1 - saved / model.flops_per_token()
+        metrics["dre_routed"] = min(s["routed"].item() / s["forwards"].item() for _, s in modules.values())
+        return metrics
 
-def dre_aux_loss(blocks: list[RoutedBlock]) -> torch.Tensor:
-    return sum(b.aux_loss for b in blocks) / len(blocks)
-
-
-def dre_metrics(blocks: dict[int, RoutedBlock], flops_per_token: int, d_model: int, seq_len: int) -> dict[str, float]:
-    """Share of tokens each routed block (keyed by block index) processed in the last forward, and the FLOPs per
-    token that forward spent relative to the same model run dense (padding slots count as spent)."""
-    blocks = {i: b for i, b in blocks.items() if b.kept is not None}
-    if not blocks:
-        return {}
-    metrics = {f"dre/layer{i}/kept": b.kept for i, b in blocks.items()}
-    saved = 0.0
-    for b in blocks.values():
-        params = sum(p.numel() for p in b.block.parameters())
-        # Weights: 6 FLOPs per parameter per token; attention scores and values: 12·d·T per token, and a routed
-        # block's queries see only the selected keys, hence the square.
-        saved += 6 * params * (1 - b.computed) + 12 * d_model * seq_len * (1 - b.computed**2)
-    metrics["dre_kept"] = sum(b.kept for b in blocks.values()) / len(blocks)
-    metrics["dre_flops_ratio"] = 1 - saved / flops_per_token
-    return metrics
+    @classmethod
+    def line(cls, metrics: dict[str, float], modules: list["RoutedBlock"]) -> str:
+        path = modules[0].cfg.path if metrics["dre_routed"] else "warmup"
+        return f"dre=[path={path},kept={metrics['dre_kept']:.1%}]"

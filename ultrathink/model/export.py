@@ -18,6 +18,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralFo
 
 from ultrathink.io import atomic_dir
 from ultrathink.model.model import UltraThink
+from ultrathink.model.moe import MoE
+from ultrathink.model.routing import block_index
 from ultrathink.tokenizer import load_tokenizer
 
 RENAMES = {"embed.": "model.embed_tokens.", "blocks.": "model.layers.", "attn_norm": "input_layernorm",
@@ -28,15 +30,20 @@ class ExportError(ValueError):
     """The model uses something the target transformers architecture cannot express."""
 
 
+def moe_layers(model: UltraThink) -> dict[int, MoE]:
+    return {block_index(name): m for name, m in model.variants.items() if isinstance(m, MoE)}
+
+
 def incompatibilities(model: UltraThink) -> list[str]:
     cfg, problems = model.cfg, []
-    if model.routed_blocks:
-        problems.append("model.dre: transformers has no Mixture-of-Depths (routed block) architecture")
-    if model.moe_layers and len(model.moe_layers) != cfg.n_layers:
+    others = sorted({type(m).__name__ for m in model.variants.values() if not isinstance(m, MoE)})
+    if others:
+        problems.append(f"{', '.join(others)}: transformers has no such architecture (only Mixtral's MoE maps)")
+    if moe_layers(model) and len(moe_layers(model)) != cfg.n_layers:
         problems.append(f"model.moe.every={cfg.moe.every}: Mixtral needs an MoE layer in every block (every=1)")
-    if model.moe_layers and cfg.moe.top_k == 1:
+    if moe_layers(model) and cfg.moe.top_k == 1:
         problems.append("model.moe.top_k=1: MoE weights the one expert by its probability, Mixtral by 1")
-    if model.moe_layers and cfg.moe.bias_balancing:
+    if moe_layers(model) and cfg.moe.bias_balancing:
         problems.append("model.moe.bias_balancing: Mixtral chooses experts by router probability alone")
     return problems
 
@@ -47,7 +54,7 @@ def hf_config(model: UltraThink) -> LlamaConfig | MixtralConfig:
                   num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
                   max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
                   tie_word_embeddings=True)
-    if model.moe_layers:
+    if moe_layers(model):
         return MixtralConfig(**common, intermediate_size=cfg.moe.expert_hidden or cfg.hidden,
                              num_local_experts=cfg.moe.n_experts, num_experts_per_tok=cfg.moe.top_k,
                              router_jitter_noise=0.0)
@@ -63,7 +70,7 @@ def hf_state_dict(model: UltraThink) -> dict[str, torch.Tensor]:
         for old, new in RENAMES.items():
             key = key.replace(old, new)
         state["model.norm.weight" if key == "norm.weight" else key] = value
-    for i, moe in model.moe_layers.items():
+    for i, moe in moe_layers(model).items():
         prefix = f"model.layers.{i}.mlp.experts."
         state[prefix + "gate_up_proj"] = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight])
                                                       for e in moe.experts])
@@ -78,7 +85,7 @@ def to_hf(model: UltraThink) -> PreTrainedModel:
     if problems:
         raise ExportError("cannot export to transformers:\n" + "\n".join(f"  - {p}" for p in problems))
     config = hf_config(model)
-    hf = (MixtralForCausalLM if model.moe_layers else LlamaForCausalLM)(config)
+    hf = (MixtralForCausalLM if moe_layers(model) else LlamaForCausalLM)(config)
     hf.load_state_dict(hf_state_dict(model), strict=True)
     return hf.eval()
 

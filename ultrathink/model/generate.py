@@ -38,7 +38,7 @@ def generate(model: UltraThink, idx: torch.Tensor, max_new_tokens: int, temperat
     finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
     fresh = idx
     for _ in range(max_new_tokens):
-        logits, _ = model(fresh if use_cache else idx, cache=cache)
+        logits = model(fresh if use_cache else idx, cache=cache).logits
         nxt = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
         if eos_id is not None:
             nxt = nxt.masked_fill(finished[:, None], eos_id)

@@ -6,8 +6,9 @@ token embedding → N × [RMSNorm → grouped-query attention with RoPE → resi
 The math follows Hugging Face's LlamaForCausalLM exactly (rotate-half RoPE, RMSNorm in fp32, SwiGLU), so an export
 to that format is a renaming of tensors and its logits match ours (ultrathink/model/export.py).
 
-Two optional sparse paths live in their own modules: `model.moe` turns some MLPs into mixtures of experts (moe.py),
-`model.dre` routes only some tokens through some blocks (dre.py). With both off (the default) this is the dense model.
+Two optional sparse paths live in their own modules, plugged in through one interface (routing.py): `model.moe`
+turns some MLPs into mixtures of experts (moe.py), `model.dre` routes only some tokens through some blocks (dre.py).
+With both off (the default) this is the dense model.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -22,8 +24,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from ultrathink.config import ModelConfig
-from ultrathink.model.dre import RoutedBlock, dre_aux_loss, dre_metrics
-from ultrathink.model.moe import MoE, moe_aux_loss, moe_metrics
+from ultrathink.model.routing import Records, RoutingModule, StepStats, numel, prefixed, variant_classes
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -132,24 +133,38 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = make_mlp(cfg, layer)
+        self.mlp = SwiGLU(cfg.d_model, cfg.hidden)  # a variant may replace it (moe.py)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None, mask=None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin, cache, self.layer, mask))
-        return x + self.drop(self.mlp(self.mlp_norm(x)))
+    def forward(self, x, cos, sin, cache: KVCache | None = None, mask=None) -> tuple[torch.Tensor, Records]:
+        x = x + self.attend(x, cos, sin, cache, mask)
+        fed, records = self.feed(x)
+        return x + fed, records
 
+    def attend(self, x, cos, sin, cache: KVCache | None = None, mask=None) -> torch.Tensor:
+        """The attention half's contribution to the residual stream."""
+        return self.drop(self.attn(self.attn_norm(x), cos, sin, cache, self.layer, mask))
 
-def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
-    if cfg.moe.applies_to(layer):
-        hidden = cfg.moe.expert_hidden or cfg.hidden
-        return MoE(cfg.d_model, cfg.moe, lambda: SwiGLU(cfg.d_model, hidden))
-    return SwiGLU(cfg.d_model, cfg.hidden)
+    def feed(self, x: torch.Tensor) -> tuple[torch.Tensor, Records]:
+        """The MLP half's contribution to the residual stream, and the records of a routing MLP (MoE)."""
+        out = self.mlp(self.mlp_norm(x))
+        out, records = out if isinstance(self.mlp, RoutingModule) else (out, {})
+        return self.drop(out), prefixed("mlp", records)
 
 
 def make_block(cfg: ModelConfig, layer: int) -> nn.Module:
+    """A dense block, with each enabled variant (routing.py) installed where its config section applies."""
     block = Block(cfg, layer)
-    return RoutedBlock(block, cfg.d_model, cfg.dre) if cfg.dre.applies_to(layer) else block
+    for variant in variant_classes(cfg):
+        block = variant.build(cfg, layer, block)
+    return block
+
+
+class ModelOutput(NamedTuple):
+    logits: torch.Tensor  # (B, T, vocab)
+    loss: torch.Tensor | None  # what training minimises: cross-entropy, plus the aux losses in training mode
+    aux_loss: torch.Tensor | None  # the routing variants' weighted aux losses (training mode), included in loss
+    routing: StepStats  # each routing module's statistics of this forward, by module name
 
 
 class UltraThink(nn.Module):
@@ -159,85 +174,106 @@ class UltraThink(nn.Module):
         self.embed = nn.Embedding(vocab_size, cfg.d_model)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
         self.blocks = nn.ModuleList(make_block(cfg, i) for i in range(cfg.n_layers))
-        self.moe_layers = {i: m for i, b in enumerate(self.blocks) for m in b.modules() if isinstance(m, MoE)}
-        self.routed_blocks = {i: b for i, b in enumerate(self.blocks) if isinstance(b, RoutedBlock)}
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        # The routing variants (MoE layers, routed blocks, ...), found in the module tree: routing.py's interface.
+        self.variants: dict[str, RoutingModule] = {
+            name: m for name, m in self.named_modules() if isinstance(m, RoutingModule)}
         self.apply(self._init_weights)
         # Scale the projections that write into the residual stream so its variance does not grow with depth (GPT-2).
         for name, p in self.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 nn.init.normal_(p, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
+        self._active_params = self._count_active_params()  # before any backend shards the weights
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=self.cfg.init_std)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None):
-        """Logits for every position, and the mean next-token loss when targets are given. In training mode the
-        loss includes the weighted aux losses of MoE layers and routed blocks; in eval mode it is the pure
-        cross-entropy, so validation losses compare across architectures."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> ModelOutput:
+        """Logits for every position and, when targets are given, the loss: in training mode the mean next-token
+        loss plus the routing variants' aux losses; in eval mode the pure cross-entropy, so validation losses
+        compare across architectures. Also what the routing variants did, as values (nothing is kept)."""
         start = cache.length if cache is not None else 0
         cos, sin = self.rotary(start, idx.shape[1])
         x = self.embed(idx)
-        for block in self.blocks:
+        records: Records = {}
+        for i, block in enumerate(self.blocks):
             if self.checkpoint_blocks and self.training:
                 # Keep only each block's input; recompute its activations during backward (same RNG draws).
-                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, cache, use_reentrant=False)
+                x, block_records = torch.utils.checkpoint.checkpoint(block, x, cos, sin, cache, use_reentrant=False)
             else:
-                x = block(x, cos, sin, cache)
+                x, block_records = block(x, cos, sin, cache)
+            records.update(prefixed(f"blocks.{i}", block_records))
         if cache is not None:
             cache.length += idx.shape[1]
         # The output projection is tied to the embedding: one matrix, read in both directions.
         logits = F.linear(self.norm(x), self.embed.weight)
-        loss = None
+        loss = aux = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-            if self.training and self.moe_layers:
-                loss = loss + moe_aux_loss(list(self.moe_layers.values()))
-            if self.training and self.routed_blocks:
-                loss = loss + dre_aux_loss(list(self.routed_blocks.values()))
-        return logits, loss
+            aux = self._aux_loss(records)
+            if aux is not None:
+                loss = loss + aux
+        return ModelOutput(logits, loss, aux, {name: r.stats for name, r in records.items()})
 
     checkpoint_blocks = False  # gradient checkpointing: trades ~1/3 more compute for activation memory
 
+    def _aux_loss(self, records: Records) -> torch.Tensor | None:
+        """Each variant's aux losses averaged over its modules (so a weight means the same at any depth), summed
+        over variants; None outside training."""
+        total = None
+        for modules in self._by_class(records).values():
+            losses = [r.aux_loss for _, r in modules.values() if r.aux_loss is not None]
+            if losses:
+                mean = sum(losses) / len(losses)
+                total = mean if total is None else total + mean
+        return total
+
+    def _by_class(self, per_module: dict) -> dict[type, dict[str, tuple[RoutingModule, object]]]:
+        groups: dict[type, dict] = {}
+        for name, value in per_module.items():
+            module = self.variants[name]
+            groups.setdefault(type(module), {})[name] = (module, value)
+        return groups
+
+    # ---- the trainer's side of the routing interface (no-ops for the dense model) --------------------------------
+    def update_routing(self, stats: StepStats) -> None:
+        """After an applied optimizer step: move each variant's routing state (MoE selection biases, DRE
+        thresholds) from that step's statistics, summed over micro-batches and ranks."""
+        for name, module in self.variants.items():
+            module.update(stats[name])
+
+    def routing_metrics(self, stats: StepStats) -> dict[str, float]:
+        """Routing health of one step (statistics summed over micro-batches and ranks), every variant's figures."""
+        metrics: dict[str, float] = {}
+        for cls, modules in self._by_class(stats).items():
+            metrics.update(cls.metrics(modules, self))
+        return metrics
+
+    def routing_line(self, metrics: dict[str, float]) -> str:
+        """The step-line suffix for routing_metrics' figures, e.g. `moe=[entropy=0.97,max_exp=14.2%]
+        dre=[path=standard,kept=51.2%]`; empty for the dense model."""
+        by_class: dict[type, list[RoutingModule]] = {}
+        for module in self.variants.values():
+            by_class.setdefault(type(module), []).append(module)
+        return " ".join(filter(None, (cls.line(metrics, modules) for cls, modules in by_class.items())))
+
     def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        return sum(numel(p) for p in self.parameters())
+
+    def _count_active_params(self) -> int:
+        return self.num_params() - sum(m.idle_params() for m in self.variants.values())
 
     def active_params(self) -> int:
         """Parameters one token's forward uses: each MoE layer counts only top_k of its experts. (Routed blocks
-        count in full: the share of tokens they process is measured, see health_metrics' dre_flops_ratio.)"""
-        idle = sum(sum(p.numel() for p in m.experts[0].parameters()) * (len(m.experts) - m.top_k)
-                   for m in self.moe_layers.values())
-        return self.num_params() - idle
+        count in full: the share of tokens they process is measured, see the dre_flops_ratio metric.)"""
+        return self._active_params
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token, PaLM's convention: 6·N for the weights a token uses (the tied embedding counts
         once, as the output matmul) plus 12·layers·d_model·seq_len for attention scores and values."""
         return 6 * self.active_params() + 12 * self.cfg.n_layers * self.cfg.d_model * self.cfg.seq_len
-
-    # ---- hooks for the trainer (no-ops for the dense model) ----------------------------------------------------
-    def health_metrics(self) -> dict[str, float]:
-        """Routing health of the last forward: MoE load per layer and expert group, DRE share of tokens processed
-        and FLOPs spent. Empty for the dense model."""
-        return {**moe_metrics(self.moe_layers),
-                **dre_metrics(self.routed_blocks, self.flops_per_token(), self.cfg.d_model, self.cfg.seq_len)}
-
-    def health_line(self, metrics: dict[str, float]) -> str:
-        """The step-line suffix for `metrics` from health_metrics, e.g.
-        `moe=[entropy=0.97,max_exp=14.2%] dre=[path=standard,kept=51.2%]`; empty for the dense model."""
-        parts = []
-        if "moe_entropy" in metrics:
-            parts.append(f"moe=[entropy={metrics['moe_entropy']:.2f},max_exp={metrics['moe_max_expert_share']:.1%}]")
-        if "dre_kept" in metrics:
-            path = next(iter(self.routed_blocks.values())).path() or "warmup"
-            parts.append(f"dre=[path={path},kept={metrics['dre_kept']:.1%}]")
-        return " ".join(parts)
-
-    def after_optimizer_step(self) -> None:
-        """Call once after each optimizer.step(): nudges MoE selection biases toward balance, moves the DRE
-        thresholds and counts the DRE warmup."""
-        for module in [*self.moe_layers.values(), *self.routed_blocks.values()]:
-            module.after_optimizer_step()
 
     def save_pretrained(self, out_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Write weights and config; `state_dict` lets a sharded (FSDP) run pass its gathered full weights."""

@@ -5,21 +5,22 @@ outputs weighted by the router's softmax probabilities (renormalised over the ch
 with top_k=1 the probability itself, as Switch does, so the router still gets a gradient from the loss). Only the
 tokens routed to an expert run through it, so compute per token grows with top_k, not with the number of experts.
 
-Balance is kept by a Switch load-balancing loss and a router z-loss (returned through `aux_loss`, added to the
-model's training loss) and, optionally, by DeepSeek-V3's aux-loss-free bias: a per-expert offset added to the
-scores used to *choose* experts (never to their weights), nudged after each optimizer step toward equal load.
+Balance is kept by a Switch load-balancing loss and a router z-loss (returned with the forward's record, added to
+the model's training loss) and, optionally, by DeepSeek-V3's aux-loss-free bias: a per-expert offset added to the
+scores used to *choose* experts (never to their weights), nudged after each applied optimizer step toward equal
+load (`update`, from the step's expert loads summed over micro-batches and ranks).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from ultrathink.config import MoEConfig
+from ultrathink.model.routing import Records, Routing, RoutingModule, Stats, block_index, count, numel
 
 
 def load_balance_loss(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -34,15 +35,7 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1).pow(2).mean()
 
 
-@dataclass
-class RoutingStats:
-    """What one forward did: assignments each expert was chosen for, and how many of them it processed."""
-
-    chosen: torch.Tensor  # (E,)
-    processed: torch.Tensor  # (E,) chosen minus those dropped over capacity
-
-
-class MoE(nn.Module):
+class MoE(RoutingModule):
     def __init__(self, d_model: int, cfg: MoEConfig, make_expert: Callable[[], nn.Module]):
         super().__init__()
         self.cfg, self.top_k = cfg, cfg.top_k
@@ -50,11 +43,24 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(make_expert() for _ in range(cfg.n_experts))
         # Persistent: the bias is part of the trained model (it decides routing) and must survive a checkpoint.
         self.register_buffer("select_bias", torch.zeros(cfg.n_experts))
-        self.register_buffer("step_load", torch.zeros(cfg.n_experts), persistent=False)
-        self.aux_loss: torch.Tensor | None = None
-        self.stats: RoutingStats | None = None
+        self.expert_params = sum(numel(p) for p in self.experts[0].parameters())  # before any sharding
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @classmethod
+    def build(cls, cfg, layer: int, block: nn.Module) -> nn.Module:
+        """The block's MLP becomes a mixture of SwiGLU experts."""
+        if cfg.moe.applies_to(layer):
+            from ultrathink.model.model import SwiGLU
+
+            hidden = cfg.moe.expert_hidden or cfg.hidden
+            block.mlp = cls(cfg.d_model, cfg.moe, lambda: SwiGLU(cfg.d_model, hidden))
+        return block
+
+    def idle_params(self) -> int:
+        return self.expert_params * (len(self.experts) - self.top_k)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Records]:
+        """(B, T, d) → (B, T, d), and this forward's record: `chosen` (assignments each expert was chosen for),
+        `processed` (those it ran: chosen minus the ones dropped over capacity), and the aux loss."""
         B, T, d = x.shape
         # Time-major order: capacity keeps earlier positions first, so whether a token is dropped never depends on
         # tokens after it (the model stays causal in training too).
@@ -67,13 +73,13 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         chosen = torch.bincount(choice.flatten(), minlength=len(self.experts))
         out, processed = self._dispatch(flat, choice, weights.to(flat.dtype), chosen, self._capacity(len(flat)))
-        self.stats = RoutingStats(chosen, processed)
-        self.aux_loss = None
+        aux = None
         if self.training:
-            self.aux_loss = (self.cfg.aux_loss_weight * load_balance_loss(probs, chosen)
-                             + self.cfg.z_loss_weight * router_z_loss(logits))
-            self.step_load += chosen
-        return out.view(T, B, d).transpose(0, 1)
+            aux = (self.cfg.aux_loss_weight * load_balance_loss(probs, chosen)
+                   + self.cfg.z_loss_weight * router_z_loss(logits))
+        stats = {"chosen": chosen.double(), "processed": processed.double(), "forwards": count(1, flat),
+                 "aux_loss": count(0 if aux is None else aux.detach(), flat)}
+        return out.view(T, B, d).transpose(0, 1), {"": Routing(aux, stats)}
 
     def _capacity(self, n_tokens: int) -> int | None:
         """Most assignments one expert takes; None (dropless) at eval, so inference never drops a token."""
@@ -89,8 +95,8 @@ class MoE(nn.Module):
         processed = torch.zeros_like(chosen)
         for e, assignments in enumerate(by_expert):
             assignments = assignments[:capacity]  # the rest are dropped: those tokens keep only their residual
-            if len(assignments) == 0:
-                continue
+            # An expert with no tokens still runs (on none): its weights get a zero gradient rather than none, so
+            # every rank's backward produces the same set of gradients (DDP's reducer and ZeRO count on it).
             tokens = assignments // self.top_k
             y = self.experts[e](flat[tokens]) * weights.flatten()[assignments, None]
             out.index_add_(0, tokens, y)
@@ -98,11 +104,19 @@ class MoE(nn.Module):
         return out, processed
 
     @torch.no_grad()
-    def after_optimizer_step(self) -> None:
+    def update(self, stats: Stats) -> None:
         """Aux-loss-free balancing: make overloaded experts less likely to be chosen, underloaded ones more."""
-        if self.cfg.bias_balancing and self.step_load.sum() > 0:
-            self.select_bias += self.cfg.bias_update_rate * torch.sign(self.step_load.mean() - self.step_load)
-        self.step_load.zero_()
+        load = stats["chosen"].to(self.select_bias)
+        if self.cfg.bias_balancing and load.sum() > 0:
+            self.select_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
+
+    @classmethod
+    def metrics(cls, modules: dict[str, tuple["MoE", Stats]], model: nn.Module) -> dict[str, float]:
+        return moe_metrics({block_index(name): (m.cfg, stats) for name, (m, stats) in modules.items()})
+
+    @classmethod
+    def line(cls, metrics: dict[str, float], modules: list["MoE"]) -> str:
+        return f"moe=[entropy={metrics['moe_entropy']:.2f},max_exp={metrics['moe_max_expert_share']:.1%}]"
 
 
 def normalized_entropy(counts: torch.Tensor) -> float:
@@ -118,21 +132,18 @@ def _health(chosen: torch.Tensor, processed: torch.Tensor) -> dict[str, float]:
             "dead": float((processed == 0).sum()), "dropped": (1 - processed.sum() / total).item()}
 
 
-def moe_metrics(layers: dict[int, MoE]) -> dict[str, float]:
-    """Routing health of the last forward, per MoE layer (keyed by block index), per expert group (over all
-    layers) and in summary. Empty before the first forward."""
-    layers = {i: m for i, m in layers.items() if m.stats is not None}
-    if not layers:
-        return {}
+def moe_metrics(layers: dict[int, tuple[MoEConfig, Stats]]) -> dict[str, float]:
+    """Routing health from summed statistics, per MoE layer (keyed by block index), per expert group (over all
+    layers) and in summary."""
     metrics, per_layer = {}, []
-    for i, layer in layers.items():
-        health = _health(layer.stats.chosen, layer.stats.processed)
+    for i, (_, stats) in layers.items():
+        health = _health(stats["chosen"], stats["processed"])
         per_layer.append(health)
         metrics.update({f"moe/layer{i}/{k}": v for k, v in health.items()})
-    chosen = torch.stack([m.stats.chosen for m in layers.values()])  # (layers, E)
-    processed = torch.stack([m.stats.processed for m in layers.values()])
+    chosen = torch.stack([stats["chosen"] for _, stats in layers.values()])  # (layers, E)
+    processed = torch.stack([stats["processed"] for _, stats in layers.values()])
     start = 0
-    for group, size in next(iter(layers.values())).cfg.groups.model_dump().items():
+    for group, size in next(iter(layers.values()))[0].groups.model_dump().items():
         part = slice(start, start + size)
         start += size
         if size:
@@ -144,13 +155,6 @@ def moe_metrics(layers: dict[int, MoE]) -> dict[str, float]:
     metrics["moe_max_expert_share"] = max(h["max_share"] for h in per_layer)
     metrics["moe_dead_experts"] = sum(h["dead"] for h in per_layer)
     metrics["moe_dropped_frac"] = sum(h["dropped"] for h in per_layer) / len(per_layer)
-    aux = [m.aux_loss for m in layers.values() if m.aux_loss is not None]
-    if aux:
-        metrics["moe_aux_loss"] = (sum(aux) / len(aux)).item()
+    aux = [stats["aux_loss"] / stats["forwards"] for _, stats in layers.values()]
+    metrics["moe_aux_loss"] = (sum(aux) / len(aux)).item()
     return metrics
-
-
-def moe_aux_loss(layers: list[MoE]) -> torch.Tensor:
-    """The weighted aux losses of the last training forward, averaged over layers so the weights mean the same at
-    any depth."""
-    return sum(m.aux_loss for m in layers) / len(layers)

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ultrathink.model.routing import StepStats, flatten, unflatten
+
 Optimizers = list[torch.optim.Optimizer]
 
 
@@ -55,7 +57,9 @@ class Distributed:
         if self.backend == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
-            return DistributedDataParallel(model)
+            # No buffer broadcast: routing state moves identically on every rank (update_routing, from all-reduced
+            # statistics) and is checked at every checkpoint, where a broadcast would hide a divergence.
+            return DistributedDataParallel(model, broadcast_buffers=False)
         if self.sharded:
             from torch.distributed.fsdp import fully_shard
 
@@ -106,6 +110,14 @@ class Distributed:
         dist.all_reduce(tensor)
         return tensor.item() / self.world_size
 
+    def sum_stats(self, stats: StepStats) -> StepStats:
+        """Routing statistics (routing.py) summed over all ranks: one all-reduce of one flat tensor."""
+        if self.world_size == 1 or not stats:
+            return stats
+        flat, layout = flatten(stats)
+        dist.all_reduce(flat)
+        return unflatten(flat, layout)
+
     def check_replicas(self, model: nn.Module) -> None:
         """Raise if the ranks' full copies of the weights differ (DDP, ZeRO-1/2): a checkpoint from rank 0 must
         stand for every rank."""
@@ -117,6 +129,52 @@ class Distributed:
         dist.all_reduce(high, op=dist.ReduceOp.MAX)
         if not torch.equal(low, high):
             raise RuntimeError("data-parallel ranks hold different weights; refusing to checkpoint")
+
+    def check_routing_state(self, model: nn.Module) -> None:
+        """Raise unless every rank holds exactly the same buffers (routing state: MoE selection biases, DRE
+        thresholds and step counts). Buffers are never sharded, so this holds on every backend."""
+        if self.world_size == 1:
+            return
+        names = [name for name, _ in model.named_buffers() if name in model.state_dict()]
+        buffers = dict(model.named_buffers())
+        if not names:
+            return
+        values = torch.cat([buffers[n].detach().double().flatten() for n in names]).to(self.device)
+        low, high = values.clone(), values.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        if not torch.equal(low, high):
+            sizes = [buffers[n].numel() for n in names]
+            differ = [n for n, a, b in zip(names, low.split(sizes), high.split(sizes)) if not torch.equal(a, b)]
+            raise RuntimeError(f"ranks hold different routing state ({', '.join(differ)}); refusing to checkpoint")
+
+    def gather_rng_states(self) -> list[dict]:
+        """Every rank's random number generator states (CPU, and each CUDA device's), indexed by rank; collective."""
+        mine = {"cpu": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+        if self.world_size == 1:
+            return [mine]
+        flat = torch.cat([mine["cpu"], *mine["cuda"]]).to(self.device)
+        gathered = [torch.empty_like(flat) for _ in range(self.world_size)]
+        dist.all_gather(gathered, flat)
+        sizes = [len(mine["cpu"]), *(len(s) for s in mine["cuda"])]
+        states = []
+        for tensor in gathered:
+            cpu, *cuda = tensor.cpu().split(sizes)
+            states.append({"cpu": cpu.clone(), "cuda": [c.clone() for c in cuda]})
+        return states
+
+    def restore_rng_states(self, states: list[dict], seed: int, step: int) -> bool:
+        """This rank's generators as a checkpoint saved them. A checkpoint written by another number of ranks has
+        no state for this one: seed afresh per rank from the step instead and return False (exact replay needs the
+        same world size)."""
+        if len(states) != self.world_size:
+            torch.manual_seed(seed + 1_000_003 * step + self.rank)
+            return False
+        torch.set_rng_state(states[self.rank]["cpu"])
+        if states[self.rank]["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(states[self.rank]["cuda"])
+        return True
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -51,7 +51,7 @@ class TorchEngine:
             self.module = torch.compile(self.module)
         self.optimizers = build_optimizers(model, cfg)
         # fp16 needs loss scaling so small gradients do not underflow; bf16 and fp32 do not (scaler disabled).
-        self.scaler = torch.amp.GradScaler("cuda", enabled=resolve_precision(cfg.precision, dist.kind) == "fp16")
+        self.scaler = torch.amp.GradScaler(dist.kind, enabled=resolve_precision(cfg.precision, dist.kind) == "fp16")
 
     def autocast(self):
         return autocast(self.cfg.precision, self.dist.device)
@@ -71,6 +71,9 @@ class TorchEngine:
         if applied:
             for opt in self.optimizers:
                 self.scaler.step(opt)
+        if applied or self.scaler.is_enabled():
+            # Also after a skipped step: update() closes the unscale_ above (else the next step's unscale_ raises)
+            # and, the gradients being non-finite, lowers the scale.
             self.scaler.update()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)

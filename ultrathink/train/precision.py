@@ -12,17 +12,25 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def matmul_gflops(dtype: torch.dtype, size: int = 512, repeats: int = 3) -> float:
-    """Measured dense matmul throughput on this CPU, for the threads torch uses: the fastest of `repeats` timed
-    matmuls, since a peak is what the machine can do, and a shared machine's stalls only ever slow a run down."""
+def matmul_gflops(dtype: torch.dtype, size: int = 512, repeats: int = 3, device: str = "cpu") -> float:
+    """Measured dense matmul throughput on `device` (on a CPU, for the threads torch uses): the fastest of `repeats`
+    timed matmuls, since a peak is what the machine can do, and a shared machine's stalls only ever slow a run down."""
     # A private generator: drawing from the global one would shift dropout masks and break exact resume.
-    generator = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(size, size, generator=generator).to(dtype) for _ in range(2))
+    generator = torch.Generator(device=device).manual_seed(0)
+    a, b = (torch.randn(size, size, generator=generator, device=device).to(dtype) for _ in range(2))
+    cuda = torch.device(device).type == "cuda"
+
+    def sync() -> None:  # GPU kernels run asynchronously: time them from an idle device to a finished one
+        if cuda:
+            torch.cuda.synchronize(device)
+
     torch.mm(a, b)  # warm-up: first call pays for kernel selection
+    sync()
     fastest = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
         torch.mm(a, b)
+        sync()
         fastest = min(fastest, time.perf_counter() - started)
     return 2 * size**3 / fastest / 1e9
 
@@ -43,24 +51,75 @@ def resolve_precision(requested: str, device: str = "cpu") -> str:
     return choice
 
 
-# Dense peak FLOP/s of known accelerators (no sparsity), by precision: the denominator of MFU on a GPU.
-GPU_PEAK_FLOPS = {
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12},  # SXM; fp32 matmuls run as TF32
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12},
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12},
-    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 60e12},
+# Dense peak FLOP/s (no 2:4 sparsity: datasheets print the sparse figure, twice the dense one, with a *) by precision,
+# the denominator of MFU on a GPU. Keys are exactly what `torch.cuda.get_device_name()` returns, and the lookup is
+# exact: a substring match would give an L40S the L4's peak. Sources: NVIDIA's datasheets and product pages (the
+# Ada and Ampere GA102 whitepapers for the GeForce cards, AWS's A10G datasheet), tensor-core figures with FP32
+# accumulate, as torch's matmuls run. "fp32" is the TF32 tensor-core peak where the GPU has TF32 (the trainer
+# enables it), plain FP32 where it does not (T4, V100); those two have no bf16, so no "bf16" entry.
+_H100_SXM = {"bf16": 989.5e12, "fp16": 989.5e12, "fp32": 494.5e12}
+_H100_NVL = {"bf16": 835.5e12, "fp16": 835.5e12, "fp32": 417.5e12}
+_A100 = {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12}
+_V100_SXM2 = {"fp16": 125e12, "fp32": 15.7e12}
+_V100_PCIE = {"fp16": 112e12, "fp32": 14e12}
+GPU_PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "NVIDIA H100 80GB HBM3": _H100_SXM,  # H100 SXM5
+    "NVIDIA H100 PCIe": {"bf16": 756.5e12, "fp16": 756.5e12, "fp32": 378e12},
+    "NVIDIA H100 NVL": _H100_NVL,
+    "NVIDIA H200": _H100_SXM,  # H200 SXM: the H100 SXM's compute, more and faster memory
+    "NVIDIA H200 NVL": _H100_NVL,
+    "NVIDIA GH200 480GB": _H100_SXM,
+    "NVIDIA A100-SXM4-80GB": _A100,
+    "NVIDIA A100-SXM4-40GB": _A100,
+    "NVIDIA A100-PCIE-40GB": _A100,
+    "NVIDIA A100 80GB PCIe": _A100,
+    "NVIDIA A10": {"bf16": 125e12, "fp16": 125e12, "fp32": 62.5e12},
+    "NVIDIA A10G": {"bf16": 70e12, "fp16": 70e12, "fp32": 35e12},  # AWS's A10G: half the A10's tensor rate per SM
+    "NVIDIA L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 60e12},
+    "NVIDIA L40": {"bf16": 181e12, "fp16": 181e12, "fp32": 90.5e12},
+    "NVIDIA L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 183e12},
+    "NVIDIA GeForce RTX 3090": {"bf16": 71e12, "fp16": 71e12, "fp32": 35.6e12},
+    "NVIDIA GeForce RTX 4090": {"bf16": 165.2e12, "fp16": 165.2e12, "fp32": 82.6e12},
+    "Tesla T4": {"fp16": 65e12, "fp32": 8.1e12},
+    "Tesla V100-SXM2-16GB": _V100_SXM2,
+    "Tesla V100-SXM2-32GB": _V100_SXM2,
+    "Tesla V100-PCIE-16GB": _V100_PCIE,
+    "Tesla V100-PCIE-32GB": _V100_PCIE,
 }
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def table_peak(name: str, precision: str) -> float | None:
+    """The datasheet peak of the GPU called exactly `name` in `precision`, or None where the table has none."""
+    return GPU_PEAK_FLOPS.get(name, {}).get(precision)
 
 
 @functools.lru_cache(maxsize=None)
-def peak_flops(precision: str, device: str = "cpu") -> float:
-    """FLOP/s this device can do in `precision`: a table for GPUs, a short measured matmul on a CPU."""
-    precision = resolve_precision(precision, device.split(":")[0])
-    if device.startswith("cuda"):
-        name = torch.cuda.get_device_name()
-        for key, peaks in GPU_PEAK_FLOPS.items():
-            if key in name:
-                return peaks[precision]
-        raise ValueError(f"no known peak for GPU {name!r}; add it to GPU_PEAK_FLOPS")
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    return matmul_gflops(dtype, size=1024, repeats=10) * 1e9
+def peak_flops(precision: str, device: str = "cpu") -> float | None:
+    """FLOP/s this device can do in `precision`, the denominator of MFU; None where it cannot be known, and then MFU
+    is left out. A GPU in GPU_PEAK_FLOPS gets its datasheet peak; any other accelerator, and a CPU, a short measured
+    matmul. MFU is a log figure, so this never raises: a failure is one warning (cached, so once per precision and
+    device) and None."""
+    try:
+        precision = resolve_precision(precision, device.split(":")[0])
+        name = torch.cuda.get_device_name(device) if device.startswith("cuda") else None
+    except Exception as error:  # whatever went wrong, it must not stop a run
+        log.warning("no peak FLOP/s for %s in %s (%s): MFU is left out", device, precision, error)
+        return None
+    if name is not None and (peak := table_peak(name, precision)) is not None:
+        return peak
+    # A GPU needs big matrices to near its peak: an 8192² matmul takes ~1 ms on an H100 (bf16), ~0.15 s on a T4 (fp32).
+    size, repeats = (1024, 10) if name is None else (8192, 10)
+    try:
+        peak = matmul_gflops(_DTYPES[precision], size=size, repeats=repeats, device=device) * 1e9
+    except Exception as error:  # out of memory, no kernel for the dtype, a driver error...
+        missing = "" if name is None else f"GPU {name!r} has no {precision} peak in GPU_PEAK_FLOPS and "
+        log.warning("%smeasuring a %s matmul peak on %s failed (%s): MFU is left out", missing, precision, device,
+                    error)
+        return None
+    if name is not None:
+        log.warning("GPU %r has no %s peak in GPU_PEAK_FLOPS: MFU uses a measured matmul peak (%.0f TFLOP/s), which "
+                    "reads higher than a datasheet-based MFU; add the GPU's datasheet peak to the table", name,
+                    precision, peak / 1e12)
+    return peak

@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from ultrathink import scoring
+from ultrathink.model import routing
 from ultrathink.config import TrainConfig
 from ultrathink.errors import StageError
 from ultrathink.train.checkpoint import CheckpointManager
@@ -61,6 +62,8 @@ class Trainer:
         self.log_metrics = log_metrics or (lambda metrics, step: None)
         self.dist = dist or Distributed()
         model.to(self.dist.device)
+        # The model was initialised identically on every rank; from here each rank draws its own dropout masks.
+        torch.manual_seed(cfg.seed + self.dist.rank)
         model.checkpoint_blocks = cfg.gradient_checkpointing
         # Counted before the backend wraps or shards the model (ZeRO-3 leaves each rank a slice of every tensor).
         self.flops_per_token = model.flops_per_token()
@@ -83,7 +86,7 @@ class Trainer:
             "engine": self.engine.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "loader": self.loader.state_dict(),
-            "torch_rng": torch.get_rng_state(),
+            "rng": self.dist.gather_rng_states(),  # every rank's CPU and CUDA generators (collective)
             "history": self.history,
             "counters": dict(self.counters),
         }
@@ -106,8 +109,11 @@ class Trainer:
         self.engine.load(latest, state["engine"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["loader"])
-        torch.set_rng_state(state["torch_rng"])
         self.step, self.history = state["step"], state["history"]
+        if not self.dist.restore_rng_states(state["rng"], self.cfg.seed, self.step):
+            log.warning("%s was written by %d ranks, this run has %d: random generators are seeded afresh per "
+                        "rank (dropout masks differ from an uninterrupted run)", latest.path, len(state["rng"]),
+                        self.dist.world_size)
         self.counters.update(state["counters"])
         log.warning("resumed from %s at step %d", latest.path, self.step)
         return self.step
@@ -129,27 +135,33 @@ class Trainer:
         self.engine.load_optimizer(checkpoint.load_state()["engine"])
 
     # ---- the loop -------------------------------------------------------------------------------------------
-    def train_step(self) -> tuple[float, float] | None:
-        """One optimizer step over grad_accum micro-batches: (mean loss, gradient norm before clipping), or None
-        when the loss or gradient is not finite — then the update is skipped and counted."""
+    def train_step(self) -> tuple[float, float, dict[str, float]] | None:
+        """One optimizer step over grad_accum micro-batches: (mean loss, gradient norm before clipping, routing
+        figures), or None when the loss or gradient is not finite — then the update is skipped and counted.
+
+        Routing variants (MoE, DRE) report statistics with each forward; they are summed over micro-batches and
+        ranks here, in one collective, identically for every backend. Only an applied step moves the routing
+        state, on every rank from the same numbers; a skipped step's statistics are dropped with it."""
         self.engine.module.train()
-        total = 0.0
+        total, stats = 0.0, {}
         for _ in range(self.cfg.grad_accum):
             x, y = (t.to(self.dist.device, non_blocking=True) for t in next(self.loader))
             with self.engine.autocast():
-                _, loss = self.engine.module(x, y)
-            self.engine.backward(loss)
-            total += loss.item() / self.cfg.grad_accum
+                out = self.engine.module(x, y)
+            self.engine.backward(out.loss)
+            total += out.loss.item() / self.cfg.grad_accum
+            stats = routing.add(stats, out.routing)
         total = self.dist.mean(total)  # every rank sees the same loss, so all take the same skip decision
+        stats = self.dist.sum_stats(stats)
         grad_norm, applied = self.engine.step(total)
         if not applied:
             self._count_bad_step(total, grad_norm)
             return None
         self.counters["bad_in_a_row"] = 0
         self.scheduler.step()
-        self.model.after_optimizer_step()  # MoE selection biases and DRE thresholds move once per update
+        self.model.update_routing(stats)
         self.step += 1
-        return total, grad_norm
+        return total, grad_norm, self.model.routing_metrics(stats)
 
     def _count_bad_step(self, loss: float, grad_norm: float) -> None:
         self.counters["skipped"] += 1
@@ -165,6 +177,7 @@ class Trainer:
     def _save(self, name: str | None = None) -> None:
         """Every rank takes part (gathering weights, writing its shards); the main process writes the rest."""
         self.engine.check_replicas()
+        self.dist.check_routing_state(self.model)
         weights, state = self.full_weights(), self.state()
         self.checkpoints.save(self.step, self.model, state, name=name, weights=weights,
                               shards=self.engine.save_shards, dist=self.dist)
@@ -194,22 +207,22 @@ class Trainer:
         started, window_start, window_steps = time.perf_counter(), time.perf_counter(), 0
         bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step",
                    disable=None if self.dist.is_main else True, leave=False)
-        peak = peak_flops(cfg.precision, self.dist.device) * self.dist.world_size
+        peak = peak_flops(cfg.precision, self.dist.device)  # None: unknown, MFU is left out
         while self.step < cfg.max_steps and not stop:
             outcome = self.train_step()
             if outcome is None:
                 continue
-            loss, grad_norm = outcome
+            loss, grad_norm, routing_figures = outcome
             window_steps += 1
             bar.update(1)
             record = {"train_loss": loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                      "skipped_steps": float(self.counters["skipped"])}
-            record.update(self.model.health_metrics())  # routing health of this step, before validate() reroutes
+                      "skipped_steps": float(self.counters["skipped"]), **routing_figures}
             last = self.step == cfg.max_steps
             if self.step % cfg.log_every == 0 or last:
                 elapsed = time.perf_counter() - window_start
                 record["tokens_per_second"] = window_steps * self.tokens_per_step / elapsed
-                record["mfu"] = self.flops_per_token * record["tokens_per_second"] / peak
+                if peak:
+                    record["mfu"] = self.flops_per_token * record["tokens_per_second"] / (peak * self.dist.world_size)
                 window_start, window_steps = time.perf_counter(), 0
             if self.step % cfg.eval_every == 0 or last:
                 record["val_loss"] = self.validate()
@@ -220,7 +233,7 @@ class Trainer:
                 self.history.append({"step": self.step, **record})
                 if self.dist.is_main:
                     bar.write(" ".join(filter(None, [step_line(self.step, cfg.max_steps, record),
-                                                     self.model.health_line(record)])))
+                                                     self.model.routing_line(record)])))
             if self.step % cfg.checkpoint_every == 0 or last or stop:
                 self._save()
         bar.close()
@@ -251,7 +264,7 @@ def step_line(step: int, total: int, r: dict[str, float]) -> str:
     """`step 100/300 loss 4.1234 ppl 61.8 lr 1.20e-03 tok/s 12,345 [val 4.3000]`"""
     line = f"step {step}/{total} loss {r['train_loss']:.4f} ppl {math.exp(min(r['train_loss'], 50)):.1f} lr {r['lr']:.2e}"
     if "tokens_per_second" in r:
-        line += f" tok/s {r['tokens_per_second']:,.0f} mfu {r['mfu']:.1%}"
+        line += f" tok/s {r['tokens_per_second']:,.0f}" + (f" mfu {r['mfu']:.1%}" if "mfu" in r else "")
     if "val_loss" in r:
         line += f" val {r['val_loss']:.4f}"
     return line
