@@ -261,9 +261,27 @@ def test_select_last_keeps_the_final_weights_and_best_picks_the_lowest_val(tmp_p
     assert all(torch.equal(w, best.model.state_dict()[n]) for n, w in chosen.load_weights().items())
 
 
-def test_fp16_without_a_gpu_is_refused_with_a_clear_message(tmp_path):
-    with pytest.raises(ValueError, match="fp16 needs a CUDA GPU"):
-        make_trainer(tmp_path, 5, precision="fp16")
+ROUTED = MODEL.model_copy(update={"n_layers": 4, "moe": MODEL.moe.model_copy(update={"enabled": True, "every": 2}),
+                                  "dre": MODEL.dre.model_copy(update={"enabled": True, "every": 3, "warmup_steps": 2})})
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_poisoned_batch_in_an_moe_dre_model_is_skipped_and_training_ends_finite(tmp_path, precision):
+    """A skipped step must not touch routing state (NaN score quantiles would make the DRE thresholds NaN and every
+    later loss NaN) nor leave the fp16 gradient scaler half-way (unscaled but not updated)."""
+    trainer = make_trainer(tmp_path, 12, model_cfg=ROUTED, precision=precision, eval_every=100)
+    poison(trainer, {4, 5})  # after the DRE warmup: routing is on
+    logged = []
+    trainer.log_metrics = lambda record, step: logged.append(record)
+    result = trainer.fit()
+    assert result.step == 12 and result.skipped_steps == 2 and math.isfinite(result.history[-1]["train_loss"])
+    assert all(math.isfinite(r["train_loss"]) for r in logged)
+    assert all(torch.isfinite(t).all() for t in trainer.model.state_dict().values())
+    (routed,) = [m for m in trainer.model.variants.values() if hasattr(m, "thresholds")]
+    assert routed.steps.item() == 12  # counted applied steps only
+    assert 0.3 < logged[-1]["dre_kept"] < 0.7  # still routing near its capacity, not stuck at 0 or 1
+    if precision == "fp16":  # the scaler saw the overflow and halved its scale for each skipped step
+        assert trainer.engine.scaler.get_scale() < 2.0**16
 
 
 @pytest.mark.parametrize("section, line_part, metric", [

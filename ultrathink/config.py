@@ -277,7 +277,7 @@ class TrainConfig(Section):
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="auto: bf16 autocast where this hardware runs it faster than fp32 (measured), else fp32; "
-        "fp16: autocast with loss scaling, GPU only")
+        "fp16: autocast with loss scaling (for GPUs without bf16)")
     eval_every: int = Field(100, ge=1, description="steps between validation passes")
     eval_batches: int = Field(10, ge=1, description="validation micro-batches per pass")
     checkpoint_every: int = Field(100, ge=1)

@@ -66,11 +66,11 @@ class RoutedBlock(RoutingModule):
 
     def forward(self, x, cos, sin, cache=None) -> tuple[torch.Tensor, Records]:
         """(B, T, d) → (B, T, d) and the records of this block and of what runs inside it. Statistics: tokens
-        seen and kept, attention query slots and query·key pairs computed (padding included), and in training the
-        score quantiles the thresholds move toward."""
+        seen and kept, attention query slots and query·key pairs computed (padding included; dense_pairs: what the
+        dense block would compute), and in training the score quantiles the thresholds move toward."""
         B, T, d = x.shape
         scores = self.router(x).squeeze(-1).float()  # (B, T)
-        stats = {"forwards": count(1, x), "tokens": count(B * T, x)}
+        stats = {"forwards": count(1, x), "tokens": count(B * T, x), "dense_pairs": count(B * T * T, x)}
         aux = None
         if self.training:
             stats["quantiles"] = torch.quantile(scores.detach().flatten(), 1 - CAPACITIES.to(x.device)).double()
@@ -143,7 +143,7 @@ class RoutedBlock(RoutingModule):
             metrics[f"dre/layer{block_index(name)}/kept"] = s["kept"].item() / tokens
             saved += (6 * block.attn_params * (1 - s["slots"].item() / tokens)
                       + 6 * block.mlp_params * (1 - s["kept"].item() / tokens)
-                      + 12 * d * T * (1 - s["pairs"].item() / (tokens * T)))
+                      + 12 * d * T * (1 - s["pairs"].item() / s["dense_pairs"].item()))
         kept = [v for k, v in metrics.items() if k.endswith("/kept")]
         metrics["dre_kept"] = sum(kept) / len(kept)
         metrics["dre_flops_ratio"] = 1 - saved / model.flops_per_token()

@@ -38,9 +38,8 @@ def matmul_gflops(dtype: torch.dtype, size: int = 512, repeats: int = 3, device:
 @functools.lru_cache(maxsize=None)
 def resolve_precision(requested: str, device: str = "cpu") -> str:
     """'fp32', 'bf16' or 'fp16'. `auto` picks bf16 on a GPU that supports it, and on a CPU only where it measures
-    faster. fp16 (with loss scaling) is for GPUs without bf16; on a CPU it is refused."""
-    if requested == "fp16" and device != "cuda":
-        raise ValueError("train.precision: fp16 needs a CUDA GPU (it relies on loss scaling there); use auto or bf16")
+    faster. fp16 is for GPUs without bf16 and always comes with loss scaling (a gradient scaler), on a CPU too, where
+    it runs but is seldom faster than bf16."""
     if requested != "auto":
         return requested
     if device == "cuda":
