@@ -1,81 +1,243 @@
 """Data parallel and sharded training on CPU: `torchrun --nproc_per_node=2 -m tasks.train` (gloo) with DDP, FSDP2
-or DeepSpeed ZeRO-2 trains the same model as one process with the same global batch; FSDP and DeepSpeed runs resume
-from their own checkpoints exactly. Every checkpoint of a DDP or ZeRO-2 run first checks that all ranks hold the
-same weights (the run fails otherwise), the last one at the final step."""
+and DeepSpeed ZeRO-1, 2 and 3 trains the same model as one process with the same global batch, a model with both
+routing variants on (MoE layers with aux-loss-free bias balancing, a DRE routed block) warm-started into edge
+cases: one expert that is never chosen and a routed block that keeps no token in its first steps. Every checkpoint
+of a run first checks that all ranks hold the same routing state (and, under DDP and ZeRO-1/2, the same weights);
+the run fails otherwise. FSDP and DeepSpeed runs resume from their own checkpoints exactly; a DDP run killed with
+SIGKILL (launcher and workers) resumes to the weights of an uninterrupted run, bit for bit."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file
 
 from test_resume_kill import ROOT, tiny_project
+from ultrathink.config import ModelConfig
+from ultrathink.model import UltraThink
+
+pytestmark = pytest.mark.slow
+
+# MoE MLPs in blocks 1 and 3, a routed (DRE) block 2: both variants, in one 4-layer model.
+ROUTED = {"n_layers": 4, "moe": {"enabled": True, "every": 2, "top_k": 2, "bias_balancing": True,
+                                 "bias_update_rate": 0.01},
+          "dre": {"enabled": True, "every": 3, "warmup_steps": 3}}
+DEAD = "blocks.1.mlp.experts.0."  # the expert the parent model never lets be chosen
+EMPTY = "blocks.2."  # the routed block whose thresholds start far above every router score
+
+# Per-rank statistics (MoE capacity and load-balancing loss, DRE score quantiles) are computed per forward and then
+# summed, so two ranks of 4 sequences equal ONE process of 2 micro-batches of 4 (the same 8 windows per step, split
+# the same way), not one process of batch 8. What differs is the order of a few float reductions: the observed
+# worst cases over the five backends are 5e-8 (relative loss), 4.2e-7 (weights), 3.7e-9 (DRE thresholds), and 0
+# for the MoE selection biases and step counts, i.e. every routing decision was the same. The tolerances below
+# leave a margin over that; a near-tie in top-k routing that flipped would move weights by up to ~1e-3 and fail.
+LOSS_RTOL, WEIGHT_ATOL, THRESHOLD_ATOL = 1e-5, 1e-5, 1e-6
 
 
-def set_train(base: Path, **train) -> None:
+def configure(base: Path, model: dict | None = None, **train) -> None:
     params = yaml.safe_load((base / "params.yaml").read_text())
-    params["train"].update(train, max_steps=20, threads=1)
-    params["model"]["dropout"] = 0.0  # dropout masks are per process: the one thing data parallelism changes
+    params["train"].update({"max_steps": 20, "threads": 1, "select": "last", **train})
+    # Dropout masks are per process: the one thing data parallelism changes.
+    params["model"].update({"dropout": 0.0, **ROUTED, **(model or {})})
     (base / "params.yaml").write_text(yaml.safe_dump(params))
 
 
-def torchrun(base: Path, env: dict, port: int) -> None:
+def launch(base: Path, env: dict, port: int) -> subprocess.Popen:
+    """torchrun with 2 workers, in its own session (its workers start sessions of their own)."""
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
             f"--master_port={port}", "-m", "tasks.train", "--params", str(base / "params.yaml")]
-    done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def torchrun(base: Path, env: dict, port: int) -> str:
+    proc = launch(base, env, port)
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, output[-4000:]
+    return output
+
+
+def tracking(tmp: Path) -> dict:
+    return dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp / 'mlflow.db'}")
+
+
+def history(base: Path) -> list[dict]:
+    return json.loads((base / "model" / "history.json").read_text())
+
+
+def weights(base: Path) -> dict[str, torch.Tensor]:
+    return load_file(base / "model" / "model.safetensors")
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory) -> Path:
+def parent(tmp_path_factory) -> Path:
+    """A model dir to warm start from, written as a user would (save_pretrained), in which expert 0 of the MoE
+    layer in block 1 is never chosen (its selection bias is -1e4, far below any router probability) and the routed
+    block 2 is past its warmup with thresholds (2.0) far above every router score (~1e-3 at init): it keeps no token
+    until its thresholds, halving toward the observed score quantiles each step, come down (after about 7 steps)."""
+    tmp = tmp_path_factory.mktemp("parent")
+    params = yaml.safe_load((tiny_project(tmp, "params") / "params.yaml").read_text())
+    torch.manual_seed(0)
+    model = UltraThink(ModelConfig(**{**params["model"], "dropout": 0.0, **ROUTED}), 64)
+    with torch.no_grad():
+        model.blocks[1].mlp.select_bias[0] = -1e4
+        model.blocks[2].thresholds.fill_(2.0)
+        model.blocks[2].steps.fill_(model.cfg.dre.warmup_steps)
+    model.save_pretrained(tmp / "model")
+    return tmp / "model"
+
+
+def warm(parent: Path) -> dict:
+    # No weight decay: the dead expert gets only zero gradients, so AdamW leaves it exactly as the parent had it.
+    return {"init_from": str(parent), "weight_decay": 0.0, "log_every": 1, "batch_size": 4}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, parent) -> Path:
     tmp = tmp_path_factory.mktemp("single")
     base = tiny_project(tmp, "single")
-    set_train(base, batch_size=8)
-    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp / 'mlflow.db'}")
+    configure(base, **warm(parent), grad_accum=2)  # 2 × 4 windows per step, as two ranks of 4 read them
     done = subprocess.run([sys.executable, "-m", "tasks.train", "--params", str(base / "params.yaml")],
-                          cwd=ROOT, env=env, capture_output=True, text=True)
+                          cwd=ROOT, env=tracking(tmp), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     return base
 
 
-@pytest.mark.parametrize("backend, port", [("ddp", 29517), ("fsdp", 29527), ("deepspeed", 29537)])
-def test_two_processes_match_one_process_with_the_same_global_batch(single, tmp_path, backend, port):
-    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    base = tiny_project(tmp_path, backend)
-    set_train(base, batch_size=4, backend=backend)  # per rank: 2 × 4 = the same 8 windows per step
-    torchrun(base, env, port)
+BACKENDS = {"ddp": ("ddp", None, 29517), "fsdp": ("fsdp", None, 29527), "zero1": ("deepspeed", 1, 29537),
+            "zero2": ("deepspeed", 2, 29547), "zero3": ("deepspeed", 3, 29557)}
 
-    one = json.loads((single / "model" / "history.json").read_text())
-    two = json.loads((base / "model" / "history.json").read_text())
-    assert [h["step"] for h in one] == [h["step"] for h in two]
-    for a, b in zip(one, two):
-        assert abs(a["train_loss"] - b["train_loss"]) < 2e-3 * a["train_loss"]
-        assert abs(a["val_loss"] - b["val_loss"]) < 2e-3 * a["val_loss"] if "val_loss" in a else True
-    wa, wb = load_file(single / "model" / "model.safetensors"), load_file(base / "model" / "model.safetensors")
-    assert wa.keys() == wb.keys() and max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-3
+
+@pytest.fixture(scope="module", params=list(BACKENDS))
+def two(request, tmp_path_factory, parent):
+    """The same warm-started run as `single`, on two ranks of 4 windows each."""
+    backend, stage, port = BACKENDS[request.param]
+    tmp = tmp_path_factory.mktemp(request.param)
+    base = tiny_project(tmp, request.param)
+    configure(base, **warm(parent), backend=backend, **({"deepspeed": {"zero_stage": stage}} if stage else {}))
+    env = tracking(tmp)
+    torchrun(base, env, port)
+    return base, env, port, request.param
+
+
+def test_two_processes_match_one_process_with_the_same_global_batch(single, two):
+    base, _, _, name = two
+    one, other = history(single), history(base)
+    assert [h["step"] for h in one] == [h["step"] for h in other] == list(range(1, 21))
+    for a, b in zip(one, other):
+        assert abs(a["train_loss"] - b["train_loss"]) <= LOSS_RTOL * a["train_loss"], a["step"]
+        assert abs(a["val_loss"] - b["val_loss"]) <= LOSS_RTOL * a["val_loss"] if "val_loss" in a else True
+    wa, wb = weights(single), weights(base)
+    assert wa.keys() == wb.keys() and max((wa[k] - wb[k]).abs().max().item() for k in wa) < WEIGHT_ATOL
+
+    # The routing state moved from statistics summed over both ranks: the same state as one process that saw all
+    # the windows (a rank that moved it from its own half would drift apart, and fail check_routing_state at
+    # every checkpoint).
+    for name_ in ("blocks.1.mlp.select_bias", "blocks.3.mlp.select_bias", "blocks.2.steps"):
+        assert torch.equal(wa[name_], wb[name_]), name_
+    assert (wb["blocks.3.mlp.select_bias"] != 0).any()  # bias balancing did move it
+    assert wb["blocks.2.steps"].item() == 3 + 20  # the parent's warmup steps, then one per applied step
+    assert (wa["blocks.2.thresholds"] - wb["blocks.2.thresholds"]).abs().max() < THRESHOLD_ATOL
+
     # Only rank 0 wrote: one configuration folder, one directory per kept checkpoint.
     (folder,) = [p for p in (base / "ckpt").iterdir() if (p / "fingerprint.json").is_file()]
     assert sorted(p.name for p in folder.glob("step_*")) == ["step_00000015", "step_00000020"]
-
-    if backend == "deepspeed":  # each rank's ZeRO shard of the optimizer state, in DeepSpeed's own format
+    if name.startswith("zero"):  # each rank's ZeRO shard of the optimizer state, in DeepSpeed's own format
         shards = sorted(p.name for p in (folder / "step_00000020" / "deepspeed" / "ds").glob("*optim_states.pt"))
         assert shards == ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
 
-    if backend != "ddp":  # a sharded run resumes from its step-15 checkpoint to the same weights
-        shutil.rmtree(folder / "step_00000020")
-        shutil.rmtree(base / "model")
-        torchrun(base, env, port)
-        again = load_file(base / "model" / "model.safetensors")
-        assert json.loads((base / "model" / "train_summary.json").read_text())["resumed_from"] == 15
-        assert all(torch_equal(wb[k], again[k]) for k in wb)
+
+def test_a_dead_expert_and_a_routed_block_that_keeps_no_token_train_on_two_processes(parent, two):
+    base, _, _, _ = two
+    records = history(base)
+    assert all(math.isfinite(r["train_loss"]) and math.isfinite(r["grad_norm"]) for r in records)
+    assert json.loads((base / "model" / "train_summary.json").read_text())["skipped_steps"] == 0
+    # Expert 0 of block 1 processed no token in any step, and the metrics say so.
+    assert all(r["moe/layer1/dead"] >= 1 and r["moe_dead_experts"] >= 1 for r in records)
+    # The routed block kept no token in its first steps (one padding slot per row ran instead), then its
+    # thresholds came down to the score quantiles and it routes about half of the tokens (path standard).
+    kept = [r["dre/layer2/kept"] for r in records]
+    assert kept[0] == 0 and 0.25 < kept[-1] < 0.75, kept
+
+    before, after = load_file(parent / "model.safetensors"), weights(base)
+    dead = [k for k in before if k.startswith(DEAD)]
+    assert len(dead) == 3 and all(torch.equal(before[k], after[k]) for k in dead)  # zero gradients, no decay
+    alive = [k for k in before if k.startswith("blocks.1.mlp.experts.1.")]
+    assert all(not torch.equal(before[k], after[k]) for k in alive)
+    routed = [k for k in before if k.startswith(EMPTY + "block.")]
+    assert all(not torch.equal(before[k], after[k]) for k in routed if not k.endswith("norm.weight"))
 
 
-def torch_equal(a, b) -> bool:
-    return bool((a == b).all())
+def test_sharded_runs_resume_from_their_own_checkpoints(two):
+    base, env, port, name = two
+    if name == "ddp":
+        pytest.skip("a DDP checkpoint is the single-process one; its resume is tested below, after SIGKILL")
+    (folder,) = [p for p in (base / "ckpt").iterdir() if (p / "fingerprint.json").is_file()]
+    first, records = weights(base), history(base)
+    shutil.rmtree(folder / "step_00000020")
+    shutil.rmtree(base / "model")
+    torchrun(base, env, port)
+    assert json.loads((base / "model" / "train_summary.json").read_text())["resumed_from"] == 15
+    again = weights(base)
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+    assert [r["train_loss"] for r in records] == [r["train_loss"] for r in history(base)]
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun and its workers at once, as a lost node or the OOM killer would. torchrun starts each
+    worker in a session of its own, so killing the launcher's process group alone would leave them training."""
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, signal.SIGKILL)
+    for worker in workers:
+        try:
+            os.killpg(worker.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive, f"workers survived SIGKILL: {alive}"
+
+
+def test_two_processes_sigkilled_then_resumed_are_bitwise_identical(tmp_path):
+    """DDP, both routing variants from a cold start (DRE warmup, then routing), dropout on: the resumed ranks
+    restore their own generators, so every dropout mask after the checkpoint is the uninterrupted run's."""
+    steps = 40
+
+    def project(name: str) -> Path:
+        base = tiny_project(tmp_path, name)
+        configure(base, model={"dropout": 0.1}, batch_size=4, backend="ddp", max_steps=steps)
+        return base
+
+    env = tracking(tmp_path)
+    straight = project("straight")
+    torchrun(straight, env, 29567)
+
+    killed = project("killed")
+    proc = launch(killed, env, 29577)
+    deadline = time.monotonic() + 240
+    while not any((killed / "ckpt").glob("*/step_00000010")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    kill_job(proc)
+    assert proc.returncode == -signal.SIGKILL
+    assert not (killed / "model").exists(), "the run finished before it could be killed"
+
+    output = torchrun(killed, env, 29587)
+    assert "resumed from" in output
+    resumed = json.loads((killed / "model" / "train_summary.json").read_text())["resumed_from"]
+    assert 10 <= resumed < steps
+
+    a, b = weights(straight), weights(killed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["train_loss"] for r in history(straight)] == [r["train_loss"] for r in history(killed)]
+    assert b["blocks.2.steps"].item() == steps and (b["blocks.1.mlp.select_bias"] != 0).any()

@@ -39,6 +39,7 @@ PATHS = {"fast": 0.25, "standard": 0.5, "deep": 0.75}
 CAPACITIES = torch.tensor(list(PATHS.values()))
 THRESHOLD_EMA = 0.5  # share of the newly observed quantile taken per step (the aux loss keeps the drift small)
 HIDDEN = torch.iinfo(torch.long).max  # key position of padding slots: after every real query
+ATTENTION_GROUPS = 4  # groups of rows with similar kept counts, each padded to its own longest row
 
 
 class RoutedBlock(RoutingModule):
@@ -81,31 +82,48 @@ class RoutedBlock(RoutingModule):
             stats.update(kept=count(B * T, x), slots=count(B * T, x), pairs=count(B * T * T, x), routed=count(0, x))
             return out, {"": Routing(aux, stats), **prefixed("block", inner)}
         selected = scores.detach() > self.thresholds[list(PATHS).index(path)]
-        # At least one slot per row, even when no token is kept: the block's weights then get a zero gradient
-        # rather than none, so every rank's backward produces the same gradients (DDP and ZeRO count on it).
-        width = max(1, int(selected.sum(dim=1).max()))
-        out, inner = self._route(x, scores, selected, width, cos, sin, cache)
-        stats.update(kept=selected.sum().double(), slots=count(B * width, x), pairs=count(B * width * width, x),
-                     routed=count(1, x))
+        out, inner, slots, pairs = self._route(x, scores, selected, cos, sin, cache)
+        stats.update(kept=selected.sum().double(), slots=count(slots, x), pairs=count(pairs, x), routed=count(1, x))
         return out, {"": Routing(aux, stats), **prefixed("block", inner)}
 
-    def _route(self, x, scores, selected, width, cos, sin, cache) -> tuple[torch.Tensor, Records]:
+    def _route(self, x, scores, selected, cos, sin, cache) -> tuple[torch.Tensor, Records, int, int]:
+        """The block on the selected tokens: the output, the inner records, and the attention query slots and
+        query·key pairs computed."""
         B, T, d = x.shape
-        position = torch.arange(T, device=x.device).expand(B, T)
-        # Per row: the selected positions in order, then unselected ones as padding up to `width`.
-        order = torch.where(selected, position, position + T).argsort(dim=1)[:, :width]  # (B, width)
-        picked = selected.gather(1, order)
-        xs = x.gather(1, order[..., None].expand(-1, -1, d))
-        mask = None if cache is None else self._cache_mask(order, picked, cache)
-        attended = self.block.attend(xs, cos[order].unsqueeze(1), sin[order].unsqueeze(1), cache, mask)
-        # The MLP sees only kept tokens: one flat (1, kept, d) set over the whole batch.
-        mixed = (xs + attended)[picked]
-        fed, inner = self.block.feed(mixed[None])
-        delta = attended[picked] + fed[0]
-        rows, positions = picked.nonzero(as_tuple=True)[0], order[picked]  # each kept token's place in x
-        weight = torch.sigmoid(scores[rows, positions])[:, None].to(x.dtype)
-        # Out of place and not a view: FSDP hooks this output for backward.
-        return x.index_put((rows, positions), delta * weight, accumulate=True), inner
+        counts = selected.sum(dim=1)
+        # Rows that keep similar numbers of tokens attend together, each group padded only to its own longest row.
+        # Generation keeps one group: the KV cache holds every row.
+        groups = ([torch.arange(B, device=x.device)] if cache is not None
+                  else counts.argsort(descending=True).tensor_split(min(B, ATTENTION_GROUPS)))
+        position = torch.arange(T, device=x.device)
+        parts = []
+        for rows in groups:
+            # At least one slot, even when no token is kept: the block's weights then get a zero gradient rather
+            # than none, so every rank's backward produces the same gradients (DDP and ZeRO count on it).
+            width = max(1, int(counts[rows].max()))
+            keep = selected[rows]
+            # Per row: the selected positions in order, then unselected ones as padding up to `width`.
+            order = torch.where(keep, position, position + T).argsort(dim=1)[:, :width]  # (rows, width)
+            picked = keep.gather(1, order)
+            xs = x[rows[:, None], order]
+            mask = None if cache is None else self._cache_mask(order, picked, cache)
+            h = xs + self.block.attend(xs, cos[order].unsqueeze(1), sin[order].unsqueeze(1), cache, mask)
+            parts.append((rows[:, None].expand_as(order), order, picked, xs, h))
+        # The MLP sees only the kept tokens: one flat (1, kept, d) set over the whole batch, no padding.
+        fed, inner = self.block.feed(torch.cat([h[picked] for _, _, picked, _, h in parts])[None])
+        fed = fed[0].split([int(picked.sum()) for _, _, picked, _, _ in parts])
+        rows, positions, updates = [], [], []
+        for (row, order, picked, xs, h), part in zip(parts, fed):
+            y = h.index_put((picked,), part.to(h.dtype), accumulate=True)  # the block output per slot
+            weight = torch.sigmoid(scores[row, order]) * picked  # padding slots add nothing
+            rows.append(row.flatten())
+            positions.append(order.flatten())
+            updates.append(((y - xs) * weight[..., None].to(x.dtype)).flatten(0, 1))
+        # Slots are distinct tokens; out of place and not a view, since FSDP hooks this output for backward.
+        delta = torch.zeros_like(x).index_put_((torch.cat(rows), torch.cat(positions)), torch.cat(updates))
+        slots = sum(o.numel() for _, o, _, _, _ in parts)
+        pairs = sum(o.shape[0] * o.shape[1] ** 2 for _, o, _, _, _ in parts)
+        return x + delta, inner, slots, pairs
 
     def _cache_mask(self, order, picked, cache) -> torch.Tensor:
         """Generation: positions of this chunk's slots appended to the cached ones; padding slots are HIDDEN."""
