@@ -11,7 +11,7 @@ side in one process. Not a test: it prints figures.
 Trainers take steps in turn (`Trainer.train_step`, what `fit` calls), so load from other processes hits both alike.
 Precision is `auto` (what users get): bf16 on CPUs that run it faster.
 
-    .venv/bin/python benchmarks/moe_dre.py [--steps 120] [--every 2] [--threads N]
+    .venv/bin/python benchmarks/moe_dre.py [--steps 120] [--every 2] [--threads N] [--attention]
 """
 
 from __future__ import annotations
@@ -143,6 +143,26 @@ def dre_vs_dense(train, val, vocab, steps, every, warmup, workdir) -> None:
           f"{longer_loss - dense_loss:+.4f} nats ({longer_loss / dense_loss - 1:+.1%})")
 
 
+def attention_precision(reps: int = 10) -> None:
+    """Why attention runs in fp32 on a CPU (model.py, cpu_attention_in_fp32): SDPA forward+backward at the DRE
+    shape's attention (16 rows, 8 query and 4 key/value heads of 64) in bf16 and in fp32."""
+    import torch.nn.functional as F
+
+    for length in (128, 64):
+        times = {}
+        for dtype in (torch.bfloat16, torch.float32):
+            q = torch.randn(BATCH, 8, length, 64, dtype=dtype, requires_grad=True)
+            k, v = (torch.randn(BATCH, 4, length, 64, dtype=dtype, requires_grad=True) for _ in range(2))
+            seconds = []
+            for _ in range(reps + 1):
+                started = time.perf_counter()
+                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).float().sum().backward()
+                seconds.append(time.perf_counter() - started)
+            times[dtype] = float(np.median(seconds[1:]))
+        print(f"attention fwd+bwd, {length} tokens: bf16 {times[torch.bfloat16] * 1e3:.1f} ms, fp32 "
+              f"{times[torch.float32] * 1e3:.1f} ms → fp32 {times[torch.bfloat16] / times[torch.float32]:.2f}× faster")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=120, help="DRE comparison: training steps per model")
@@ -151,9 +171,13 @@ def main() -> None:
     parser.add_argument("--moe-steps", type=int, default=15, help="MoE timing: training steps per model")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--skip-moe", action="store_true")
+    parser.add_argument("--attention", action="store_true", help="only time attention in bf16 vs fp32")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.attention:
+        attention_precision()
+        return
     started = time.perf_counter()
     train, val, vocab, source = corpus_tokens(vocab_size=4096)
     print(f"corpus: {source}, {len(train):,} train / {len(val):,} val tokens, vocab {vocab}, "
