@@ -82,48 +82,75 @@ class RoutedBlock(RoutingModule):
             stats.update(kept=count(B * T, x), slots=count(B * T, x), pairs=count(B * T * T, x), routed=count(0, x))
             return out, {"": Routing(aux, stats), **prefixed("block", inner)}
         selected = scores.detach() > self.thresholds[list(PATHS).index(path)]
-        out, inner, slots, pairs = self._route(x, scores, selected, cos, sin, cache)
+        route = self._route if cache is None else self._route_cached
+        out, inner, slots, pairs = route(x, scores, selected, cos, sin, cache)
         stats.update(kept=selected.sum().double(), slots=count(slots, x), pairs=count(pairs, x), routed=count(1, x))
         return out, {"": Routing(aux, stats), **prefixed("block", inner)}
 
-    def _route(self, x, scores, selected, cos, sin, cache) -> tuple[torch.Tensor, Records, int, int]:
-        """The block on the selected tokens: the output, the inner records, and the attention query slots and
-        query·key pairs computed."""
+    def _route(self, x, scores, selected, cos, sin, cache=None) -> tuple[torch.Tensor, Records, int, int]:
+        """Training and scoring: the block on the kept tokens only. Returns the output, the inner records, and the
+        attention query slots and query·key pairs computed.
+
+        The kept tokens of the whole batch form one flat set: the norms, projections and MLP run on exactly them.
+        Only the attention scores need rows: rows that keep similar numbers of tokens are grouped, and each group's
+        rows are padded to its own longest. Padding sits after a row's kept tokens, so causal attention over the
+        group hides it from them, and its outputs are never read."""
         B, T, d = x.shape
-        counts = selected.sum(dim=1)
-        # Rows that keep similar numbers of tokens attend together, each group padded only to its own longest row.
-        # Generation keeps one group: the KV cache holds every row.
-        groups = ([torch.arange(B, device=x.device)] if cache is not None
-                  else counts.argsort(descending=True).tensor_split(min(B, ATTENTION_GROUPS)))
+        # At least one token is computed, even when none is kept (with weight 0): the block's weights then get a
+        # zero gradient rather than none, so every rank's backward produces the same gradients (DDP, ZeRO).
+        computed = selected.clone()
+        computed.view(-1)[0] |= not bool(selected.any())
+        counts = computed.sum(dim=1)
         position = torch.arange(T, device=x.device)
-        parts = []
-        for rows in groups:
-            # At least one slot, even when no token is kept: the block's weights then get a zero gradient rather
-            # than none, so every rank's backward produces the same gradients (DDP and ZeRO count on it).
-            width = max(1, int(counts[rows].max()))
-            keep = selected[rows]
-            # Per row: the selected positions in order, then unselected ones as padding up to `width`.
-            order = torch.where(keep, position, position + T).argsort(dim=1)[:, :width]  # (rows, width)
-            picked = keep.gather(1, order)
-            xs = x[rows[:, None], order]
-            mask = None if cache is None else self._cache_mask(order, picked, cache)
-            h = xs + self.block.attend(xs, cos[order].unsqueeze(1), sin[order].unsqueeze(1), cache, mask)
-            parts.append((rows[:, None].expand_as(order), order, picked, xs, h))
-        # The MLP sees only the kept tokens: one flat (1, kept, d) set over the whole batch, no padding.
-        fed, inner = self.block.feed(torch.cat([h[picked] for _, _, picked, _, h in parts])[None])
-        fed = fed[0].split([int(picked.sum()) for _, _, picked, _, _ in parts])
-        rows, positions, updates = [], [], []
-        for (row, order, picked, xs, h), part in zip(parts, fed):
-            y = h.index_put((picked,), part.to(h.dtype), accumulate=True)  # the block output per slot
-            weight = torch.sigmoid(scores[row, order]) * picked  # padding slots add nothing
-            rows.append(row.flatten())
-            positions.append(order.flatten())
-            updates.append(((y - xs) * weight[..., None].to(x.dtype)).flatten(0, 1))
-        # Slots are distinct tokens; out of place and not a view, since FSDP hooks this output for backward.
-        delta = torch.zeros_like(x).index_put_((torch.cat(rows), torch.cat(positions)), torch.cat(updates))
-        slots = sum(o.numel() for _, o, _, _, _ in parts)
-        pairs = sum(o.shape[0] * o.shape[1] ** 2 for _, o, _, _, _ in parts)
-        return x + delta, inner, slots, pairs
+        tokens, groups, start = [], [], 0
+        for rows in counts.argsort(descending=True).tensor_split(min(B, ATTENTION_GROUPS)):
+            width = int(counts[rows].max())
+            if width == 0:
+                continue
+            keep = computed[rows]
+            order = torch.where(keep, position, position + T).argsort(dim=1)[:, :width]  # kept first, in order
+            picked = keep.gather(1, order).flatten()
+            tokens.append((rows[:, None] * T + order).flatten()[picked])
+            # Each slot's place in the flat set (padding slots borrow the group's first token: never attended to).
+            place = torch.full_like(picked, start, dtype=torch.long)
+            place[picked] = torch.arange(start, start + int(picked.sum()), device=x.device)
+            groups.append((len(rows), width, place, picked.nonzero().squeeze(1)))
+            start += int(picked.sum())
+        tokens = torch.cat(tokens)  # (computed,) indices into the B·T tokens, group by group, row by row
+        attn, block = self.block.attn, self.block
+        xk = x.flatten(0, 1).index_select(0, tokens)
+        q, k, v = attn.project(block.attn_norm(xk), cos[tokens % T], sin[tokens % T])
+        mixed = []
+        for rows, width, place, real in groups:
+            q_g, k_g, v_g = (t.index_select(0, place).view(rows, width, *t.shape[1:]).transpose(1, 2)
+                             for t in (q, k, v))
+            y = attn.mix(q_g, k_g, v_g, causal=width > 1).transpose(1, 2).flatten(0, 1)
+            mixed.append(y.index_select(0, real))
+        h = xk + block.drop(attn.o_proj(torch.cat(mixed).flatten(1)))
+        fed, inner = block.feed(h[None])
+        weight = torch.sigmoid(scores.flatten().index_select(0, tokens)) * selected.flatten()[tokens]
+        update = (h + fed[0] - xk) * weight[:, None].to(xk.dtype)
+        delta = torch.zeros_like(x).flatten(0, 1).index_copy(0, tokens, update.to(x.dtype)).view_as(x)
+        slots = sum(rows * width for rows, width, _, _ in groups)
+        pairs = sum(rows * width**2 for rows, width, _, _ in groups)
+        return x + delta, inner, slots, pairs  # a new tensor, not a view: FSDP hooks it for backward
+
+    def _route_cached(self, x, scores, selected, cos, sin, cache) -> tuple[torch.Tensor, Records, int, int]:
+        """Generation: every row's selected tokens gathered in order and padded to the longest row, since the KV
+        cache holds all rows; padding slots get key position HIDDEN, which the mask hides from every real query."""
+        B, T, d = x.shape
+        position = torch.arange(T, device=x.device).expand(B, T)
+        width = max(1, int(selected.sum(dim=1).max()))
+        order = torch.where(selected, position, position + T).argsort(dim=1)[:, :width]  # (B, width)
+        picked = selected.gather(1, order)
+        index = order[..., None].expand(-1, -1, d)
+        xs = x.gather(1, index)
+        mask = self._cache_mask(order, picked, cache)
+        h = xs + self.block.attend(xs, cos[order], sin[order], cache, mask)
+        fed, inner = self.block.feed(h[picked][None])
+        y = h.index_put((picked,), fed[0].to(h.dtype), accumulate=True)
+        weight = torch.sigmoid(scores.gather(1, order)) * picked  # padding slots add nothing
+        return x.scatter_add(1, index, (y - xs) * weight[..., None].to(x.dtype)), inner, B * width, B * width**2
 
     def _cache_mask(self, order, picked, cache) -> torch.Tensor:
         """Generation: positions of this chunk's slots appended to the cached ones; padding slots are HIDDEN."""

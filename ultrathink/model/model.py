@@ -63,7 +63,7 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, heads, T, head_dim); cos/sin: (T, head_dim)."""
+    """Rotate the last dimension of x by the angles of cos/sin (broadcast against x)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
@@ -98,23 +98,35 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0, mask=None) -> torch.Tensor:
-        """`mask` (boolean, True = may attend) replaces the causal mask; routed blocks pass one (dre.py)."""
+        """x (B, T, d); cos/sin (T, head_dim), or (B, T, head_dim) for tokens at their own positions. `mask`
+        (boolean, True = may attend) replaces the causal mask; routed blocks pass one in generation (dre.py)."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in self.project(x, cos, sin))  # (B, heads, T, head_dim)
         past = cache.length if cache is not None else 0
         if cache is not None:
             k, v = cache.update(layer, k, v)
         if mask is None and past and T > 1:  # a chunk after a cached prefix: it sees the prefix and itself, causally
             mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+        y = self.mix(q, k, v, mask, causal=mask is None and past == 0 and T > 1)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def project(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (..., d) → queries (..., heads, head_dim), keys and values (..., kv_heads, head_dim), rotated to the
+        positions cos/sin (..., head_dim) give. Any leading shape: routed blocks project a flat set of tokens."""
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # the same rotation for every head
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def mix(self, q, k, v, mask=None, causal: bool = False) -> torch.Tensor:
+        """Scaled dot-product attention over (B, heads, T, head_dim) queries, keys and values."""
         with cpu_attention_in_fp32(q) as cast:
-            y = F.scaled_dot_product_attention(
-                cast(q), cast(k), cast(v), attn_mask=mask, is_causal=mask is None and past == 0 and T > 1,
+            return F.scaled_dot_product_attention(
+                cast(q), cast(k), cast(v), attn_mask=mask, is_causal=causal,
                 dropout_p=self.dropout if self.training else 0.0, enable_gqa=self.n_kv_heads != self.n_heads,
             ).to(q.dtype)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 @contextlib.contextmanager
