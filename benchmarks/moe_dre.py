@@ -124,7 +124,10 @@ def dre_vs_dense(train, val, vocab, steps, every, warmup, workdir) -> None:
     print(f"DRE standard path (capacity 0.5) on blocks {blocks} of {DRE_SHAPE['n_layers']} | d_model "
           f"{DRE_SHAPE['d_model']}, vocab {vocab}, {dre.trainer.model.num_params() / 1e6:.1f}M params, "
           f"precision {resolve_precision(dre.trainer.cfg.precision)}, warmup {warmup}, {steps} steps")
-    print(f"  FLOPs per token vs dense (routed steps): {flops:.3f}; kept {kept:.1%}")
+    slots = float(np.mean([np.mean([v for k, v in f.items() if k.endswith("attention_slots")])
+                           for f in dre.figures[routed]]))
+    print(f"  FLOPs per token vs dense (routed steps): {flops:.3f}; kept {kept:.1%}, attention slots (kept and "
+          f"padding) {slots:.1%}")
     print(f"  tokens/s once routing is on: DRE {dre.tokens_per_second(routed):,.0f}, dense "
           f"{dense.tokens_per_second(routed):,.0f} → {speed:.2f}× (goal ≥ 1.25×); whole run incl. warmup "
           f"{sum(dense.seconds) / sum(dre.seconds):.2f}×")

@@ -1,9 +1,11 @@
+import math
+
 import pytest
 import torch
 
 from ultrathink.config import ModelConfig
 from ultrathink.model import UltraThink
-from ultrathink.model.dre import PATHS, RoutedBlock
+from ultrathink.model.dre import PATHS, ROWS_MULTIPLE, RoutedBlock
 from ultrathink.model.generate import generate
 from ultrathink.model.routing import block_index
 
@@ -79,7 +81,8 @@ def test_the_mlp_runs_on_exactly_the_kept_tokens_of_the_batch():
     x = torch.randint(0, VOCAB, (8, 64))
     stats = model(x).routing["blocks.1"]
     hook.remove()
-    assert rows == [stats["kept"].item()] and 0 < rows[0] < stats["slots"].item()  # the MLP: no padding at all
+    # The MLP: the kept tokens, padded only to a whole number of ROWS_MULTIPLE rows, never to the longest row.
+    assert rows == [stats["rows"].item()] == [ROWS_MULTIPLE * math.ceil(stats["kept"].item() / ROWS_MULTIPLE)]
     # Attention: rows in groups of similar kept counts, each padded to its own longest row, not the batch's.
     scores = block.router(model.blocks[0](model.embed(x), *model.rotary(0, 64))[0]).squeeze(-1)
     counts = (scores > block.thresholds[list(PATHS).index("standard")]).sum(1)

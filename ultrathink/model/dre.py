@@ -40,6 +40,7 @@ CAPACITIES = torch.tensor(list(PATHS.values()))
 THRESHOLD_EMA = 0.5  # share of the newly observed quantile taken per step (the aux loss keeps the drift small)
 HIDDEN = torch.iinfo(torch.long).max  # key position of padding slots: after every real query
 ATTENTION_GROUPS = 4  # groups of rows with similar kept counts, each padded to its own longest row
+ROWS_MULTIPLE = 64  # the flat set of kept tokens is padded to a multiple of this many rows (see _route)
 
 
 class RoutedBlock(RoutingModule):
@@ -67,8 +68,9 @@ class RoutedBlock(RoutingModule):
 
     def forward(self, x, cos, sin, cache=None) -> tuple[torch.Tensor, Records]:
         """(B, T, d) → (B, T, d) and the records of this block and of what runs inside it. Statistics: tokens
-        seen and kept, attention query slots and query·key pairs computed (padding included; dense_pairs: what the
-        dense block would compute), and in training the score quantiles the thresholds move toward."""
+        seen and kept, rows the block's weights ran on, attention query slots and query·key pairs computed (padding
+        included; dense_pairs: what the dense block would compute), and in training the score quantiles the
+        thresholds move toward."""
         B, T, d = x.shape
         scores = self.router(x).squeeze(-1).float()  # (B, T)
         stats = {"forwards": count(1, x), "tokens": count(B * T, x), "dense_pairs": count(B * T * T, x)}
@@ -79,17 +81,19 @@ class RoutedBlock(RoutingModule):
         path = self.path()
         if path is None:
             out, inner = self.block(x, cos, sin, cache)
-            stats.update(kept=count(B * T, x), slots=count(B * T, x), pairs=count(B * T * T, x), routed=count(0, x))
+            stats.update(kept=count(B * T, x), rows=count(B * T, x), slots=count(B * T, x), pairs=count(B * T * T, x),
+                         routed=count(0, x))
             return out, {"": Routing(aux, stats), **prefixed("block", inner)}
         selected = scores.detach() > self.thresholds[list(PATHS).index(path)]
         route = self._route if cache is None else self._route_cached
-        out, inner, slots, pairs = route(x, scores, selected, cos, sin, cache)
-        stats.update(kept=selected.sum().double(), slots=count(slots, x), pairs=count(pairs, x), routed=count(1, x))
+        out, inner, rows, slots, pairs = route(x, scores, selected, cos, sin, cache)
+        stats.update(kept=selected.sum().double(), rows=count(rows, x), slots=count(slots, x), pairs=count(pairs, x),
+                     routed=count(1, x))
         return out, {"": Routing(aux, stats), **prefixed("block", inner)}
 
-    def _route(self, x, scores, selected, cos, sin, cache=None) -> tuple[torch.Tensor, Records, int, int]:
-        """Training and scoring: the block on the kept tokens only. Returns the output, the inner records, and the
-        attention query slots and query·key pairs computed.
+    def _route(self, x, scores, selected, cos, sin, cache=None) -> tuple[torch.Tensor, Records, int, int, int]:
+        """Training and scoring: the block on the kept tokens only. Returns the output, the inner records, the rows
+        the norms, projections and MLP ran on, and the attention query slots and query·key pairs computed.
 
         The kept tokens of the whole batch form one flat set: the norms, projections and MLP run on exactly them.
         Only the attention scores need rows: rows that keep similar numbers of tokens are grouped, and each group's
@@ -117,25 +121,33 @@ class RoutedBlock(RoutingModule):
             groups.append((len(rows), width, place, picked.nonzero().squeeze(1)))
             start += int(picked.sum())
         tokens = torch.cat(tokens)  # (computed,) indices into the B·T tokens, group by group, row by row
+        n = len(tokens)
         attn, block = self.block.attn, self.block
         xk = x.flatten(0, 1).index_select(0, tokens)
-        q, k, v = attn.project(block.attn_norm(xk), cos[tokens % T], sin[tokens % T])
-        mixed = []
+        # The flat set is padded with zero rows to a multiple of ROWS_MULTIPLE: a matmul of a new shape costs a
+        # new kernel setup on a CPU (oneDNN; about 2× the matmul itself), and kept counts change every step.
+        padding = xk.new_zeros(-n % ROWS_MULTIPLE, d)
+        at = tokens % T  # each kept token's position in its row
+        q, k, v = attn.project(block.attn_norm(torch.cat([xk, padding])),
+                               torch.cat([cos[at], cos[:1].expand(len(padding), -1)]),
+                               torch.cat([sin[at], sin[:1].expand(len(padding), -1)]))
+        qkv, mixed = torch.cat([q, k, v], dim=1), []  # (rows, heads + 2·kv_heads, head_dim): one gather per group
         for rows, width, place, real in groups:
-            q_g, k_g, v_g = (t.index_select(0, place).view(rows, width, *t.shape[1:]).transpose(1, 2)
-                             for t in (q, k, v))
+            q_g, k_g, v_g = qkv.index_select(0, place).view(rows, width, *qkv.shape[1:]).transpose(1, 2).split(
+                [q.shape[1], k.shape[1], v.shape[1]], dim=1)
             y = attn.mix(q_g, k_g, v_g, causal=width > 1).transpose(1, 2).flatten(0, 1)
             mixed.append(y.index_select(0, real))
-        h = xk + block.drop(attn.o_proj(torch.cat(mixed).flatten(1)))
+        mixed = torch.cat([torch.cat(mixed).flatten(1), padding.new_zeros(len(padding), q.shape[1] * q.shape[2])])
+        h = torch.cat([xk, padding]) + block.drop(attn.o_proj(mixed))
         fed, inner = block.feed(h[None])
         weight = torch.sigmoid(scores.flatten().index_select(0, tokens)) * selected.flatten()[tokens]
-        update = (h + fed[0] - xk) * weight[:, None].to(xk.dtype)
+        update = (h[:n] + fed[0, :n] - xk) * weight[:, None].to(xk.dtype)
         delta = torch.zeros_like(x).flatten(0, 1).index_copy(0, tokens, update.to(x.dtype)).view_as(x)
         slots = sum(rows * width for rows, width, _, _ in groups)
         pairs = sum(rows * width**2 for rows, width, _, _ in groups)
-        return x + delta, inner, slots, pairs  # a new tensor, not a view: FSDP hooks it for backward
+        return x + delta, inner, len(h), slots, pairs  # a new tensor, not a view: FSDP hooks it for backward
 
-    def _route_cached(self, x, scores, selected, cos, sin, cache) -> tuple[torch.Tensor, Records, int, int]:
+    def _route_cached(self, x, scores, selected, cos, sin, cache) -> tuple[torch.Tensor, Records, int, int, int]:
         """Generation: every row's selected tokens gathered in order and padded to the longest row, since the KV
         cache holds all rows; padding slots get key position HIDDEN, which the mask hides from every real query."""
         B, T, d = x.shape
@@ -150,7 +162,8 @@ class RoutedBlock(RoutingModule):
         fed, inner = self.block.feed(h[picked][None])
         y = h.index_put((picked,), fed[0].to(h.dtype), accumulate=True)
         weight = torch.sigmoid(scores.gather(1, order)) * picked  # padding slots add nothing
-        return x.scatter_add(1, index, (y - xs) * weight[..., None].to(x.dtype)), inner, B * width, B * width**2
+        out = x.scatter_add(1, index, (y - xs) * weight[..., None].to(x.dtype))
+        return out, inner, B * width, B * width, B * width**2
 
     def _cache_mask(self, order, picked, cache) -> torch.Tensor:
         """Generation: positions of this chunk's slots appended to the cached ones; padding slots are HIDDEN."""
@@ -179,15 +192,15 @@ class RoutedBlock(RoutingModule):
     @classmethod
     def metrics(cls, modules: dict[str, tuple["RoutedBlock", Stats]], model: nn.Module) -> dict[str, float]:
         """Share of tokens each routed block (by block index) processed, and the FLOPs per token spent relative
-        to the same model run dense: weights count for the slots they ran on (attention: kept tokens and
-        padding; MLP: kept tokens), attention scores for the query·key pairs computed."""
+        to the same model run dense: weights count for the rows they ran on (kept tokens and padding rows),
+        attention scores for the query·key pairs computed (padding included)."""
         d, T = model.cfg.d_model, model.cfg.seq_len
         metrics, saved = {}, 0.0
         for name, (block, s) in modules.items():
             tokens = s["tokens"].item()
             metrics[f"dre/layer{block_index(name)}/kept"] = s["kept"].item() / tokens
-            saved += (6 * block.attn_params * (1 - s["slots"].item() / tokens)
-                      + 6 * block.mlp_params * (1 - s["kept"].item() / tokens)
+            metrics[f"dre/layer{block_index(name)}/attention_slots"] = s["slots"].item() / tokens
+            saved += (6 * (block.attn_params + block.mlp_params) * (1 - s["rows"].item() / tokens)
                       + 12 * d * T * (1 - s["pairs"].item() / s["dense_pairs"].item()))
         kept = [v for k, v in metrics.items() if k.endswith("/kept")]
         metrics["dre_kept"] = sum(kept) / len(kept)
