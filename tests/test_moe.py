@@ -9,7 +9,7 @@ from ultrathink.model import UltraThink
 from ultrathink.model.export import moe_layers
 from ultrathink.model.generate import generate
 from ultrathink.model.model import SwiGLU
-from ultrathink.model.moe import MoE, load_balance_loss, moe_metrics, normalized_entropy, router_z_loss
+from ultrathink.model.moe import ROWS_MULTIPLE, MoE, load_balance_loss, moe_metrics, normalized_entropy, router_z_loss
 
 D, VOCAB = 16, 97
 GROUPS = {"knowledge": 2, "skill": 2, "meta": 1, "safety": 1}  # 6 experts
@@ -25,10 +25,16 @@ def layer(seed=0, **cfg) -> MoE:
 
 def rows_per_expert(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, dict, list[int]]:
     """The output, the layer's statistics, and how many token rows each expert actually ran on (counted by hooks,
-    not by the layer)."""
+    not by the layer). Experts run on their tokens plus zero rows up to a multiple of ROWS_MULTIPLE: the hook
+    checks that, and counts the non-zero rows."""
     seen = [0] * len(moe.experts)
-    hooks = [e.register_forward_hook(lambda m, inp, out, i=i: seen.__setitem__(i, seen[i] + len(inp[0])))
-             for i, e in enumerate(moe.experts)]
+
+    def count(i, rows):
+        real = int((rows.abs().sum(-1) > 0).sum())
+        assert len(rows) % ROWS_MULTIPLE == 0 and len(rows) - real < ROWS_MULTIPLE
+        seen[i] += real
+
+    hooks = [e.register_forward_hook(lambda m, inp, out, i=i: count(i, inp[0])) for i, e in enumerate(moe.experts)]
     out, records = moe(x)
     for h in hooks:
         h.remove()

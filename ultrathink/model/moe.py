@@ -23,6 +23,9 @@ from ultrathink.config import MoEConfig
 from ultrathink.model.routing import Records, Routing, RoutingModule, Stats, block_index, count, numel
 
 
+ROWS_MULTIPLE = 32  # each expert's tokens are padded to a multiple of this many rows (see _dispatch)
+
+
 def load_balance_loss(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Switch Transformer's loss: E·Σᵢ fᵢ·Pᵢ, fᵢ the share of assignments to expert i and Pᵢ its mean router
     probability. 1 at perfect balance; E when every token goes to one expert with certainty."""
@@ -98,7 +101,11 @@ class MoE(RoutingModule):
             # An expert with no tokens still runs (on none): its weights get a zero gradient rather than none, so
             # every rank's backward produces the same set of gradients (DDP's reducer and ZeRO count on it).
             tokens = assignments // self.top_k
-            y = self.experts[e](flat[tokens]) * weights.flatten()[assignments, None]
+            rows = flat[tokens]
+            # Zero rows up to a multiple of ROWS_MULTIPLE: expert loads change every step, and on a CPU a matmul of
+            # a new shape costs a kernel setup (oneDNN) about twice the matmul itself.
+            padded = torch.cat([rows, rows.new_zeros(-len(rows) % ROWS_MULTIPLE, rows.shape[1])])
+            y = self.experts[e](padded)[: len(rows)] * weights.flatten()[assignments, None]
             out.index_add_(0, tokens, y)
             processed[e] = len(assignments)
         return out, processed
