@@ -56,8 +56,10 @@ def test_worse_moe_model_reruns_only_downstream_and_keeps_champion(repro_project
 
 
 def test_dvc_experiment_turns_on_the_reasoning_engine(repro_project):
-    knobs = ["train.lr=0.02", "model.moe.enabled=false", "model.dre.enabled=true", "model.dre.every=1",
-             "model.dre.warmup_steps=2"]
+    # Three steps, one of warmup: the last step routes (the step line reports what the step did: path=warmup
+    # while warming up).
+    knobs = ["train.lr=0.02", "train.max_steps=3", "model.moe.enabled=false", "model.dre.enabled=true",
+             "model.dre.every=1", "model.dre.warmup_steps=1"]
     done = sh(["dvc", "exp", "run", *[arg for knob in knobs for arg in ("-S", knob)]], repro_project)
     assert ran_stages(done.stdout) == ["train", "evaluate", "promote"]
     assert "dre=[path=standard,kept=" in done.stdout + done.stderr
