@@ -96,6 +96,9 @@ def run(params: Params) -> None:
         else:  # other ranks train in lockstep; the main rank alone talks to MLflow and writes files
             trainer.fit()
             trainer.full_weights()  # collective under FSDP and ZeRO-3: the main rank gathers the final weights
+        # Ranks leave together: one that tears its process group (and DeepSpeed's) down while the main rank still
+        # writes can abort at exit ("terminate called without an active exception", seen under ZeRO-3).
+        dist.barrier()
     finally:
         dist.close()
 

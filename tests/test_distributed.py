@@ -245,3 +245,37 @@ def test_two_processes_sigkilled_then_resumed_are_bitwise_identical(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert [r["train_loss"] for r in history(straight)] == [r["train_loss"] for r in history(killed)]
     assert b["blocks.2.steps"].item() == steps and (b["blocks.1.mlp.select_bias"] != 0).any()
+
+
+VARIANTS = {"moe": {"dre": {"enabled": False}}, "dre": {"moe": {"enabled": False}}}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def variant_single(request, tmp_path_factory) -> tuple[str, Path]:
+    """One variant alone (MoE, or DRE), cold start, in one process of 2 micro-batches of 4."""
+    tmp = tmp_path_factory.mktemp(f"single-{request.param}")
+    base = tiny_project(tmp, request.param)
+    configure(base, model=VARIANTS[request.param], max_steps=8, batch_size=4, grad_accum=2, log_every=1,
+              checkpoint_every=4)
+    done = subprocess.run([sys.executable, "-m", "tasks.train", "--params", str(base / "params.yaml")],
+                          cwd=ROOT, env=tracking(tmp), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return request.param, base
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_each_variant_alone_trains_on_every_backend_like_one_process(variant_single, backend, tmp_path):
+    variant, single_base = variant_single
+    kind, stage, port = BACKENDS[backend]
+    base = tiny_project(tmp_path, backend)
+    configure(base, model=VARIANTS[variant], max_steps=8, batch_size=4, log_every=1, checkpoint_every=4,
+              backend=kind, **({"deepspeed": {"zero_stage": stage}} if stage else {}))
+    torchrun(base, tracking(tmp_path), port + (1 if variant == "moe" else 2))
+    one, two = history(single_base), history(base)
+    assert [h["step"] for h in one] == [h["step"] for h in two] == list(range(1, 9))
+    figure = "moe_entropy" if variant == "moe" else "dre_kept"
+    for a, b in zip(one, two):
+        assert abs(a["train_loss"] - b["train_loss"]) <= LOSS_RTOL * a["train_loss"], a["step"]
+        assert a[figure] == pytest.approx(b[figure], abs=1e-9), a["step"]
+    wa, wb = weights(single_base), weights(base)
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < WEIGHT_ATOL
