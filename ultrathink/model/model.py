@@ -133,7 +133,8 @@ class Attention(nn.Module):
 def cpu_attention_in_fp32(q: torch.Tensor):
     """On a CPU, torch's flash-attention backward is much slower in bf16 than in fp32 (2.4× at 16×128 tokens,
     8 heads of 64; benchmarks/moe_dre.py --attention), so there attention runs in fp32, outside autocast; the
-    projections around it keep the autocast dtype. Elsewhere (GPUs) nothing changes."""
+    projections around it keep the autocast dtype (with attention dropout torch takes its math path in either
+    precision, at about the same speed). Elsewhere (GPUs) nothing changes."""
     if q.device.type != "cpu" or q.dtype != torch.bfloat16:
         yield lambda t: t
         return
