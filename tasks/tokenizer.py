@@ -11,8 +11,9 @@ from ultrathink.tokenizer import train_tokenizer
 
 def run(params: Params) -> None:
     texts = training_texts(Path(params.paths.validated_corpus), params.prepare)
-    train_tokenizer(texts, params.tokenizer, Path(params.paths.tokenizer_dir))
-    print(f"tokenizer: vocab {params.tokenizer.vocab_size} saved to {params.paths.tokenizer_dir}")
+    vocab_size = train_tokenizer(texts, params.tokenizer, Path(params.paths.tokenizer_dir))
+    chosen = " (tokenizer.vocab_size auto, from the corpus size)" if params.tokenizer.vocab_size == "auto" else ""
+    print(f"tokenizer: vocab {vocab_size}{chosen} saved to {params.paths.tokenizer_dir}")
 
 
 if __name__ == "__main__":

@@ -10,11 +10,12 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import re
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -102,7 +103,15 @@ class ValidateConfig(Section):
 
 
 class TokenizerConfig(Section):
-    vocab_size: int = Field(4096, ge=300, le=65535, description="BPE vocabulary size, special tokens included")
+    vocab_size: int | Literal["auto"] = Field(
+        4096, description="BPE vocabulary size, special tokens included (300-65535); auto: from the corpus size, "
+        "about the square root of its bytes (ultrathink/tokenizer.py: auto_vocab_size)")
+
+    @model_validator(mode="after")
+    def _vocab_in_range(self) -> "TokenizerConfig":
+        if self.vocab_size != "auto" and not 300 <= self.vocab_size <= 65535:
+            raise ValueError(f"vocab_size ({self.vocab_size}) must be between 300 and 65535, or auto")
+        return self
     min_frequency: int = Field(2, ge=1, description="least count for a merge to be learned")
 
 
@@ -190,13 +199,21 @@ class DREConfig(VariantConfig):
         "at its share of tokens)")
 
 
+MANUAL_SHAPE = {"d_model": 192, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "seq_len": 128}
+
+
 class ModelConfig(Section):
-    d_model: int = Field(192, ge=8, description="residual stream width")
-    n_layers: int = Field(4, ge=1)
-    n_heads: int = Field(4, ge=1)
-    n_kv_heads: int = Field(2, ge=1, description="key/value heads (grouped-query attention); must divide n_heads")
+    size: Literal["manual", "auto"] = Field(
+        "manual", description="who sets the shape keys left null (d_model, n_layers, n_heads, n_kv_heads, seq_len, "
+        "and train.batch_size): manual = 192, 4, 4, 2, 128 and 16; auto = the rule of ultrathink/train/sizing.py "
+        "from train.budget and the corpus. Keys set to a number always win")
+    d_model: int | None = Field(None, ge=8, description="residual stream width")
+    n_layers: int | None = Field(None, ge=1)
+    n_heads: int | None = Field(None, ge=1)
+    n_kv_heads: int | None = Field(None, ge=1, description="key/value heads (grouped-query attention); must divide "
+                                   "n_heads")
     ffn_hidden: int | None = Field(None, ge=1, description="SwiGLU hidden width; default 8/3·d_model rounded up to 64")
-    seq_len: int = Field(128, ge=8, description="context length")
+    seq_len: int | None = Field(None, ge=8, description="context length")
     rope_theta: float = Field(10000.0, gt=0)
     norm_eps: float = Field(1e-5, gt=0)
     dropout: float = Field(0.1, ge=0, lt=1)
@@ -204,8 +221,22 @@ class ModelConfig(Section):
     moe: MoEConfig = MoEConfig()
     dre: DREConfig = DREConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _manual_shape(cls, data):
+        if isinstance(data, dict) and data.get("size", "manual") == "manual":
+            data = {**data, **{k: v for k, v in MANUAL_SHAPE.items() if data.get(k) is None}}
+        return data
+
+    @property
+    def resolved(self) -> bool:
+        """Every shape key has a value (size manual, or size auto after ultrathink/train/sizing.py chose)."""
+        return all(getattr(self, k) is not None for k in MANUAL_SHAPE)
+
     @model_validator(mode="after")
     def _heads_fit(self) -> "ModelConfig":
+        if not self.resolved:
+            return self  # sizing checks the shapes it chooses (with the keys that are set)
         if self.d_model % self.n_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must divide d_model ({self.d_model})")
         if self.n_heads % self.n_kv_heads:
@@ -247,14 +278,46 @@ class DeepSpeedConfig(Section):
         return self
 
 
+
+_UNITS = {"s": ("seconds", 1.0), "min": ("seconds", 60.0), "h": ("seconds", 3600.0),
+          "tokens": ("tokens", 1.0), "flops": ("flops", 1.0)}
+_BUDGET = re.compile(r"^\s*(?P<amount>\d+(?:\.\d*)?(?:[eE][+]?\d+)?)\s*(?P<unit>s|min|h|tokens|flops)\s*$")
+
+class Budget(NamedTuple):
+    """train.budget, parsed: kind is seconds, tokens or flops."""
+    kind: str
+    amount: float
+
+    @classmethod
+    def parse(cls, text: str) -> "Budget":
+        """'2min', '90s', '1.5h', '2e7tokens', '1e15flops' → Budget; a clear error otherwise."""
+        match = _BUDGET.match(text)
+        if not match:
+            raise ValueError(f"budget {text!r}: expected a positive number and a unit, one of "
+                             f"{', '.join(_UNITS)} (e.g. 2min, 90s, 2e7tokens, 1e15flops)")
+        kind, scale = _UNITS[match["unit"]]
+        amount = float(match["amount"]) * scale
+        if amount <= 0:
+            raise ValueError(f"budget {text!r} must be positive")
+        return cls(kind, amount)
+
+
 class TrainConfig(Section):
     seed: int = 1337
-    batch_size: int = Field(16, ge=1, description="sequences per micro-batch")
+    batch_size: int | None = Field(16, ge=1, description="sequences per micro-batch; null: 16, or chosen by "
+                                   "model.size auto")
     grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
-    max_steps: int = Field(300, ge=1, description="optimizer steps")
+    max_steps: int = Field(300, ge=1, description="optimizer steps (unless train.budget is set)")
+    budget: str | None = Field(
+        None, description="what the run may spend, instead of max_steps: wall-clock time (90s, 2min, 1.5h: the "
+        "steps follow from a throughput probe at the start), tokens (2e7tokens) or FLOPs (1e15flops); resolved "
+        "once per configuration and recorded (plan.json beside its checkpoints, MLflow plan.* params)")
     lr: float = Field(2e-3, gt=0, le=1, description="peak learning rate")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final learning rate as a share of lr")
     warmup_steps: int = Field(30, ge=0)
+    warmup_fraction: float | None = Field(
+        None, ge=0, le=0.5, description="warmup as a share of the run's steps, replacing warmup_steps (so it "
+        "follows a budget)")
     weight_decay: float = Field(0.1, ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
@@ -270,7 +333,10 @@ class TrainConfig(Section):
         None, ge=1, description="stop after this many validations without improvement; the best model is kept")
     gradient_checkpointing: bool = Field(
         False, description="recompute each block's activations in backward: less memory, ~1/3 more compute")
-    compile: bool = Field(False, description="torch.compile the model for training (first steps pay the compile)")
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile the model for training (the first steps pay the compile); auto: only "
+        "with a train.budget whose measured eager run takes 10 minutes or more, for a model without routing "
+        "variants (ultrathink/train/budget.py: compile_pays)")
     backend: Literal["auto", "ddp", "fsdp", "deepspeed"] = Field(
         "auto", description="under torchrun: ddp (DistributedDataParallel), fsdp (FSDP2 fully_shard) or deepspeed "
         "(ZeRO, see train.deepspeed; also in one process); auto = ddp under torchrun, plain in one process")
@@ -278,6 +344,10 @@ class TrainConfig(Section):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="auto: bf16 autocast where this hardware runs it faster than fp32 (measured), else fp32; "
         "fp16: autocast with loss scaling (for GPUs without bf16)")
+    attention: Literal["auto", "torch", "flash", "math"] = Field(
+        "auto", description="the attention kernel: auto = the fastest for this run's shape, measured at the start "
+        "on a CPU (flash or math, in the autocast dtype or fp32), torch's own choice on a GPU; torch = torch's "
+        "choice; flash or math = that kernel")
     eval_every: int = Field(100, ge=1, description="steps between validation passes")
     eval_batches: int = Field(10, ge=1, description="validation micro-batches per pass")
     checkpoint_every: int = Field(100, ge=1)
@@ -313,9 +383,16 @@ class TrainConfig(Section):
                           sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
+    @field_validator("budget", mode="before")
+    @classmethod
+    def _budget_parses(cls, budget):
+        if budget is not None:
+            Budget.parse(str(budget))  # a bare number (YAML reads 120 as one) is refused: it has no unit
+        return budget
+
     @model_validator(mode="after")
     def _warmup_fits(self) -> "TrainConfig":
-        if self.warmup_steps > self.max_steps:
+        if self.budget is None and self.warmup_fraction is None and self.warmup_steps > self.max_steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must not exceed max_steps ({self.max_steps})")
         return self
 
@@ -335,7 +412,7 @@ class TrainConfig(Section):
         if self.optimizer == "muon":
             raise ValueError("optimizer muon needs whole 2-D matrices, which DeepSpeed's ZeRO flattens and shards; "
                              "use adamw or lion with backend deepspeed")
-        if self.compile:
+        if self.compile is True:
             raise ValueError("compile is not supported with backend deepspeed (DeepSpeed wraps the model itself)")
         return self
 
@@ -373,6 +450,29 @@ class Params(Section):
     registry: RegistryConfig = RegistryConfig()
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _manual_batch(cls, data):
+        """train.batch_size null (or, under model.size auto, absent) is chosen by the sizing rule under model.size
+        auto, else 16."""
+        if not isinstance(data, dict):
+            return data
+        model, train = data.get("model") or {}, data.get("train") or {}
+        size = model.get("size", "manual") if isinstance(model, dict) else model.size
+        if isinstance(train, dict) and size == "auto" and "batch_size" not in train:
+            return {**data, "train": {**train, "batch_size": None}}
+        batch = train.get("batch_size", 16) if isinstance(train, dict) else train.batch_size
+        if batch is None and size != "auto":
+            data = {**data, "train": {**train, "batch_size": 16}}
+        return data
+
+    @model_validator(mode="after")
+    def _auto_size_needs_budget(self) -> "Params":
+        if self.model.size == "auto" and self.train.budget is None:
+            raise ValueError("model.size auto sizes the model for a budget: set train.budget (e.g. 2min, 2e7tokens, "
+                             "1e15flops)")
+        return self
 
     @property
     def validate_cfg(self) -> ValidateConfig:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -23,13 +24,31 @@ PAD_TOKEN = "<|pad|>"
 MODEL_MAX_LENGTH = 2**62  # no length limit here: the model's seq_len decides, and long documents must not warn
 
 
-def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, out_dir: Path) -> None:
-    """Learn `cfg.vocab_size` byte-level BPE tokens (EOS and PAD included) from `texts`; replace `out_dir`."""
+# tokenizer.vocab_size auto: VOCAB_PER_ROOT_BYTE × √(corpus bytes), a multiple of 64 within the bounds. A vocabulary
+# grows with the corpus (larger ones pay off only where there is text enough to learn every token's embedding):
+# 1 MB of text gets 512 (measured best on tiny shakespeare at a 2-minute budget: benchmarks/README.md), 1 GB 16k.
+VOCAB_PER_ROOT_BYTE = 0.5
+AUTO_VOCAB_BOUNDS = (320, 32768)
+
+
+def auto_vocab_size(n_bytes: int) -> int:
+    low, high = AUTO_VOCAB_BOUNDS
+    return int(min(high, max(low, 64 * round(VOCAB_PER_ROOT_BYTE * math.sqrt(n_bytes) / 64))))
+
+
+def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, out_dir: Path) -> int:
+    """Learn `cfg.vocab_size` byte-level BPE tokens (EOS and PAD included) from `texts`, or under `auto` a number
+    that follows the texts' size (auto_vocab_size); replace `out_dir`. Returns the vocabulary size asked for."""
+    if cfg.vocab_size == "auto":
+        texts = list(texts)
+        vocab_size = auto_vocab_size(sum(len(t.encode("utf-8")) for t in texts))
+    else:
+        vocab_size = cfg.vocab_size
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=cfg.vocab_size,
+        vocab_size=vocab_size,
         min_frequency=cfg.min_frequency,
         special_tokens=[EOS_TOKEN, PAD_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -42,6 +61,7 @@ def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, out_dir: Path) -
     )
     with atomic_dir(out_dir) as tmp:
         wrapped.save_pretrained(tmp)
+    return vocab_size
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:

@@ -13,7 +13,6 @@ With both off (the default) this is the dense model.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from ultrathink.config import ModelConfig
+from ultrathink.model.kernels import AttentionKernel
 from ultrathink.model.routing import Records, RoutingModule, StepStats, numel, prefixed, variant_classes
 
 CONFIG_FILE = "config.json"
@@ -120,26 +120,15 @@ class Attention(nn.Module):
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # the same rotation for every head
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
+    kernel = AttentionKernel()  # which SDPA kernel (and, on a CPU under bf16, whether fp32): kernels.py
+
     def mix(self, q, k, v, mask=None, causal: bool = False) -> torch.Tensor:
         """Scaled dot-product attention over (B, heads, T, head_dim) queries, keys and values."""
-        with cpu_attention_in_fp32(q) as cast:
+        with self.kernel.scope(q) as cast:
             return F.scaled_dot_product_attention(
                 cast(q), cast(k), cast(v), attn_mask=mask, is_causal=causal,
                 dropout_p=self.dropout if self.training else 0.0, enable_gqa=self.n_kv_heads != self.n_heads,
             ).to(q.dtype)
-
-
-@contextlib.contextmanager
-def cpu_attention_in_fp32(q: torch.Tensor):
-    """On a CPU, torch's flash-attention backward is much slower in bf16 than in fp32 (2.4× at 16×128 tokens,
-    8 heads of 64; benchmarks/moe_dre.py --attention), so there attention runs in fp32, outside autocast; the
-    projections around it keep the autocast dtype (with attention dropout torch takes its math path in either
-    precision, at about the same speed). Elsewhere (GPUs) nothing changes."""
-    if q.device.type != "cpu" or q.dtype != torch.bfloat16:
-        yield lambda t: t
-        return
-    with torch.autocast("cpu", enabled=False):
-        yield lambda t: t.float()
 
 
 class SwiGLU(nn.Module):
@@ -245,6 +234,12 @@ class UltraThink(nn.Module):
         return ModelOutput(logits, loss, aux, {name: r.stats for name, r in records.items()})
 
     checkpoint_blocks = False  # gradient checkpointing: trades ~1/3 more compute for activation memory
+
+    def use_attention(self, kernel: AttentionKernel) -> None:
+        """Run every attention layer (routed blocks' included) with `kernel` (train.attention chose it)."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.kernel = kernel
 
     def _aux_loss(self, records: Records) -> torch.Tensor | None:
         """Each variant's aux losses averaged over its modules (so a weight means the same at any depth), summed

@@ -14,6 +14,7 @@ environment (RANK, WORLD_SIZE, ...) says how many processes there are; each read
 from __future__ import annotations
 
 import datetime
+import json
 import os
 from dataclasses import dataclass
 
@@ -109,6 +110,14 @@ class Distributed:
         tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor)
         return tensor.item() / self.world_size
+
+    def share(self, value):
+        """The main rank's value (anything JSON can carry) on every rank."""
+        if self.world_size == 1:
+            return value
+        box = [json.dumps(value) if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return json.loads(box[0])
 
     def sum_stats(self, stats: StepStats) -> StepStats:
         """Routing statistics (routing.py) summed over all ranks: one all-reduce of one flat tensor."""

@@ -47,7 +47,7 @@ class TorchEngine:
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, dist: Distributed):
         self.model, self.cfg, self.dist = model, cfg, dist
         self.module = dist.wrap(model)  # before the optimizers: FSDP replaces parameters with sharded ones
-        if cfg.compile:
+        if cfg.compile is True:  # auto is decided before training (budget.py); a Trainer given auto runs eager
             self.module = torch.compile(self.module)
         self.optimizers = build_optimizers(model, cfg)
         # fp16 needs loss scaling so small gradients do not underflow; bf16 and fp32 do not (scaler disabled).

@@ -21,7 +21,8 @@ from ultrathink.train.checkpoint import CheckpointManager
 from ultrathink.train.distributed import Distributed
 from ultrathink.train.engine import autocast, build_engine
 from ultrathink.train.loader import TokenWindows, eval_batches
-from ultrathink.train.precision import peak_flops
+from ultrathink.model.kernels import AttentionKernel, choose_attention
+from ultrathink.train.precision import peak_flops, resolve_precision
 from ultrathink.train.schedule import Scheduler
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class Trainer:
         # The model was initialised identically on every rank; from here each rank draws its own dropout masks.
         torch.manual_seed(cfg.seed + self.dist.rank)
         model.checkpoint_blocks = cfg.gradient_checkpointing
+        self.attention = self._choose_attention(model, cfg)
         # Counted before the backend wraps or shards the model (ZeRO-3 leaves each rank a slice of every tensor).
         self.flops_per_token = model.flops_per_token()
         # `engine` takes the steps (through the model, its DDP/FSDP wrapper or DeepSpeed); `model` is what is
@@ -79,6 +81,18 @@ class Trainer:
                          "stopped_early": False}
         self.tokens_per_step = cfg.batch_size * cfg.grad_accum * train_loader.seq_len * self.dist.world_size
 
+    def _choose_attention(self, model, cfg: TrainConfig) -> AttentionKernel:
+        """train.attention for this run's shape: measured on the main rank (auto), the same on every rank."""
+        if self.dist.is_main:
+            m = model.cfg
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+                resolve_precision(cfg.precision, self.dist.kind))
+            kernel, _ = choose_attention(cfg.attention, cfg.batch_size, m.n_heads, m.n_kv_heads, m.seq_len,
+                                         m.head_dim, m.dropout, self.dist.device, dtype)
+        kernel = AttentionKernel(**self.dist.share(kernel.to_dict() if self.dist.is_main else None))
+        model.use_attention(kernel)
+        return kernel
+
     # ---- checkpoint state -------------------------------------------------------------------------------------
     def state(self) -> dict:
         return {
@@ -89,6 +103,7 @@ class Trainer:
             "rng": self.dist.gather_rng_states(),  # every rank's CPU and CUDA generators (collective)
             "history": self.history,
             "counters": dict(self.counters),
+            "attention": self.attention.to_dict(),  # a resumed run computes with the same kernel
         }
 
     def resume(self) -> int | None:
@@ -115,6 +130,9 @@ class Trainer:
                         "rank (dropout masks differ from an uninterrupted run)", latest.path, len(state["rng"]),
                         self.dist.world_size)
         self.counters.update(state["counters"])
+        if "attention" in state:
+            self.attention = AttentionKernel(**state["attention"])
+            self.model.use_attention(self.attention)
         log.warning("resumed from %s at step %d", latest.path, self.step)
         return self.step
 

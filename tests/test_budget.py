@@ -1,0 +1,182 @@
+"""train.budget (time, tokens, FLOPs → steps, recorded), model.size auto (sizing.py) and tokenizer vocab auto."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from e2e_helpers import client_for, make_project, set_params, sh
+from ultrathink.config import Budget, ModelConfig, Params, ParamsError, TokenizerConfig, TrainConfig, load_params
+from ultrathink.tokenizer import auto_vocab_size, load_tokenizer, train_tokenizer
+from ultrathink.train import sizing
+from ultrathink.train.budget import PLAN_FILE, Plan, Probe, apply_plan, make_plan, steps_for, warmup_for
+
+AUTO_SHAPE = {k: None for k in sizing.SHAPE_KEYS}
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("2min", ("seconds", 120.0)), ("90s", ("seconds", 90.0)), ("1.5h", ("seconds", 5400.0)),
+    (" 30 s ", ("seconds", 30.0)), ("2e7tokens", ("tokens", 2e7)), ("1e15flops", ("flops", 1e15)),
+])
+def test_budgets_parse_with_their_units(text, expected):
+    assert tuple(Budget.parse(text)) == expected
+
+
+@pytest.mark.parametrize("text", ["2 minutes", "120", "-5s", "0s", "1e15 FLOP", "fast"])
+def test_a_bad_budget_names_the_key_and_the_forms(tmp_path, text):
+    with pytest.raises(ParamsError) as exc:
+        (tmp_path / "params.yaml").write_text("{}")
+        load_params(tmp_path / "params.yaml", [f"train.budget={text}"])
+    message = str(exc.value)
+    assert "train.budget" in message and ("2min" in message or "positive" in message)
+
+
+def test_size_auto_needs_a_budget_and_manual_fills_the_shape():
+    with pytest.raises(ValueError, match="train.budget"):
+        Params(model={"size": "auto"})
+    manual = Params(model=AUTO_SHAPE, train={"batch_size": None})
+    assert (manual.model.d_model, manual.model.n_layers, manual.model.seq_len, manual.train.batch_size) == (
+        192, 4, 128, 16)
+    auto = Params(model={"size": "auto", **AUTO_SHAPE, "d_model": 256}, train={"budget": "1min"})
+    assert auto.model.d_model == 256 and auto.model.n_layers is None and auto.train.batch_size is None
+
+
+def test_tokens_and_flops_budgets_divide_exactly():
+    cfg = TrainConfig(eval_every=10, checkpoint_every=10)
+    assert steps_for(Budget.parse("1000tokens"), 128, 50, cfg, None) == 8  # ceil(1000 / 128)
+    assert steps_for(Budget.parse("1024tokens"), 128, 50, cfg, None) == 8
+    assert steps_for(Budget.parse("6.4e5flops"), 128, 50, cfg, None) == 100  # 6.4e5 / (50 × 128)
+
+
+def test_a_time_budget_pays_for_probe_first_steps_validation_and_checkpoints():
+    cfg = TrainConfig(eval_every=10, checkpoint_every=20)
+    probe = Probe(step_seconds=0.1, first_steps_extra=1.0, eval_seconds=0.5, save_seconds=0.4, seconds=2.0)
+    # 60 s − 2 (probe) − 1 (first steps) − 0.5 − 0.4 (final validation and checkpoint) = 56.1 s left,
+    # each step 0.1 + 0.5/10 + 0.4/20 = 0.17 s → 330 steps.
+    assert steps_for(Budget.parse("1min"), 128, 50, cfg, probe) == 330
+
+
+def test_warmup_follows_the_steps_when_given_as_a_fraction():
+    assert warmup_for(400, TrainConfig(warmup_fraction=0.05)) == 20
+    assert warmup_for(400, TrainConfig(warmup_steps=30)) == 30
+    assert warmup_for(10, TrainConfig(warmup_steps=30, budget="1min")) == 10  # never more than the steps
+    with pytest.raises(ValueError, match="warmup_steps"):
+        TrainConfig(warmup_steps=30, max_steps=10)
+
+
+def test_effective_tokens_discount_repeats():
+    unique = 1e6
+    assert sizing.effective_tokens(5e5, unique) == 5e5
+    assert sizing.effective_tokens(1e6, unique) == 1e6
+    four = sizing.effective_tokens(4e6, unique)
+    assert 3.5e6 < four < 4e6  # a few epochs are worth nearly as much as fresh text
+    assert sizing.effective_tokens(1e9, unique) == pytest.approx(unique * (1 + sizing.REPEAT_DECAY))  # saturates
+
+
+def test_sizing_grows_with_compute_and_keeps_fixed_keys():
+    auto = ModelConfig(size="auto", dropout=0.0)
+    chosen = [sizing.choose(auto, 512, 300_000, flops=c) for c in (1e12, 1e13, 1e14, 1e15)]
+    params = [s.params for s in chosen]
+    assert params == sorted(params) and params[-1] > 5 * params[0]
+    for s in chosen:  # the winner is the lowest predicted loss among all candidates
+        losses = [sizing.predicted_loss(sizing.counts(c, auto, 512)[1],
+                                        s.tokens * s.flops_per_token / sizing.counts(c, auto, 512)[2], 300_000)
+                  for c in sizing.candidate_shapes({})]
+        assert s.predicted_loss == pytest.approx(min(losses))
+    # A corpus 100× larger lets the same compute go to more tokens of new text: a smaller model, fewer epochs.
+    roomy = sizing.choose(auto, 512, 30_000_000, flops=1e15)
+    assert roomy.params <= chosen[-1].params and roomy.epochs < chosen[-1].epochs
+    fixed = sizing.choose(ModelConfig(size="auto", d_model=256, seq_len=64), 512, 300_000, flops=1e14)
+    assert fixed.shape.d_model == 256 and fixed.shape.seq_len == 64 and fixed.shape.n_heads == 4
+    tokens = sizing.choose(auto, 512, 300_000, tokens=2e7)  # Chinchilla's 20 tokens per parameter
+    assert 0.5e6 < tokens.non_embedding_params < 2e6
+
+
+def test_auto_vocabulary_follows_the_corpus_size(tmp_path):
+    assert [auto_vocab_size(n) for n in (10_000, 1_000_000, 10**9, 10**12)] == [320, 512, 15808, 32768]
+    texts = [f"line {i} of a small corpus about cats, dogs and number {i * 7}" for i in range(3000)]
+    size = train_tokenizer(texts, TokenizerConfig(vocab_size="auto"), tmp_path / "tok")
+    assert size == auto_vocab_size(sum(len(t) for t in texts))
+    assert len(load_tokenizer(tmp_path / "tok")) <= size
+    with pytest.raises(ValueError, match="vocab_size"):
+        TokenizerConfig(vocab_size=100)
+
+
+def _stream(n=20_000) -> np.ndarray:
+    return np.resize(np.random.default_rng(0).integers(0, 60, 41), n).astype(np.uint16)
+
+
+def test_a_time_plan_probes_a_copy_and_leaves_the_generators_alone():
+    model_cfg = ModelConfig(size="auto", dropout=0.1)
+    train_cfg = TrainConfig(budget="20s", batch_size=None, precision="fp32", eval_batches=2, warmup_fraction=0.1)
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    plan, model, train = make_plan(model_cfg, train_cfg, 64, _stream(), _stream(2000), "cpu")
+    assert torch.equal(torch.get_rng_state(), before)
+    assert model.resolved and model.size == "manual" and train.batch_size == plan.sizing["batch_size"]
+    assert plan.probe.step_seconds > 0 and plan.probe.seconds < 20
+    assert plan.max_steps == train.max_steps and plan.warmup_steps == round(0.1 * plan.max_steps)
+    # The steps the plan buys fit the budget at the measured speed.
+    spent = plan.probe.seconds + plan.probe.first_steps_extra + plan.max_steps * plan.probe.step_seconds
+    assert spent <= 20 and plan.tokens_per_step == train.batch_size * model.seq_len
+    again_model, again_train = apply_plan(Plan.from_dict(json.loads(json.dumps(plan.to_dict()))), model_cfg,
+                                          train_cfg)
+    assert again_model == model and again_train == train
+
+
+def _prepared(tmp_path, changes: dict) -> Path:
+    project = make_project(tmp_path)
+    set_params(project, changes)
+    for stage in ("validate", "tokenizer", "prepare"):
+        sh([sys.executable, "-m", f"tasks.{stage}"], project)
+    return project
+
+
+@pytest.mark.slow
+def test_train_stage_spends_a_budget_records_the_plan_and_reuses_it(tmp_path, monkeypatch):
+    project = _prepared(tmp_path, {"tokenizer": {"vocab_size": "auto"},
+                                   "model": {"size": "auto", **AUTO_SHAPE},
+                                   "train": {"budget": "6s", "batch_size": None, "warmup_fraction": 0.1,
+                                             "eval_every": 50, "checkpoint_every": 50, "log_every": 25}})
+    done = sh([sys.executable, "-m", "tasks.train"], project)
+    assert "plan:" in done.stderr and "model.size auto: d_model" in done.stderr
+    summary = json.loads((project / "artifacts/model/train_summary.json").read_text())
+    plan = summary["plan"]
+    assert summary["steps"] == plan["max_steps"] > 0 and plan["probe"]["step_seconds"] > 0
+    config = json.loads((project / "artifacts/model/config.json").read_text())["model"]
+    assert {k: config[k] for k in sizing.SHAPE_KEYS} == plan["sizing"]["shape"]
+    (folder,) = [p for p in (project / "artifacts/checkpoints").iterdir() if (p / PLAN_FILE).is_file()]
+    assert json.loads((folder / PLAN_FILE).read_text()) == plan
+    run = client_for(project).search_runs([client_for(project).get_experiment_by_name("ultrathink").experiment_id])[0]
+    assert run.data.params["plan.max_steps"] == str(plan["max_steps"])
+    assert run.data.params["train.budget"] == "6s" and run.data.params["model.size"] == "auto"
+    assert int(run.data.params["plan.model.d_model"]) == plan["sizing"]["shape"]["d_model"]
+    # The loss curve has every step's point (sent in batches of log_every).
+    assert len(client_for(project).get_metric_history(run.info.run_id, "train_loss")) == plan["max_steps"]
+
+    # Run again: the configuration's recorded plan is read back, nothing is measured, the run resumes at its end.
+    import tasks.train as train_task
+    from ultrathink.train.distributed import Distributed
+
+    monkeypatch.chdir(project)
+    monkeypatch.setattr(train_task, "make_plan", lambda *a, **k: pytest.fail("a recorded plan was re-measured"))
+    params = load_params(project / "params.yaml")
+    trainer, _, again = train_task.build_trainer(params, Distributed())
+    assert again.to_dict() == plan and trainer.cfg.max_steps == plan["max_steps"]
+    assert trainer.resume() == plan["max_steps"]
+
+
+@pytest.mark.slow
+def test_a_tokens_budget_trains_exactly_its_steps(tmp_path):
+    project = _prepared(tmp_path, {"train": {"budget": "3000tokens", "warmup_fraction": 0.25}})
+    sh([sys.executable, "-m", "tasks.train"], project)
+    summary = json.loads((project / "artifacts/model/train_summary.json").read_text())
+    tokens_per_step = 4 * 32  # TINY: batch 4, seq_len 32
+    assert summary["steps"] == math.ceil(3000 / tokens_per_step) == summary["plan"]["max_steps"]
+    assert summary["plan"]["warmup_steps"] == round(0.25 * summary["steps"])
+    # compile auto measured the eager step (a probe) and found the run far too short for a compile to pay.
+    assert summary["plan"]["probe"]["step_seconds"] > 0 and summary["plan"]["compile"] is False

@@ -1,0 +1,100 @@
+"""Which scaled-dot-product attention kernel a training run uses, chosen by measurement for its shape
+(`train.attention: auto`), the way `train.precision: auto` chooses the dtype.
+
+On a CPU the choice matters and flips with the shape: torch's flash kernel's backward is 2.4× slower in bf16 than in
+fp32 at 16×128 tokens, 8 heads of 64 (benchmarks/moe_dre.py --attention), yet slightly faster at 8×256 tokens, 6
+heads; the plain math path (matmuls and a softmax) wins at other shapes. So `auto` times forward+backward of each
+candidate — flash or math, in the autocast dtype or in fp32 — on random tensors of the run's shape and keeps the
+fastest. On a GPU torch's own choice (flash, cuDNN, memory-efficient) is already measured well: `auto` keeps it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+import time
+import warnings
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+log = logging.getLogger(__name__)
+
+_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
+
+
+@dataclass(frozen=True)
+class AttentionKernel:
+    backend: str = "torch"  # torch (SDPA's own choice) | flash | math
+    fp32: bool = True  # on a CPU under bf16 autocast: attention in fp32, outside autocast (GPUs ignore it)
+
+    @contextlib.contextmanager
+    def scope(self, q: torch.Tensor):
+        """Around one SDPA call on q's device: the backend, and a cast for q, k and v."""
+        upcast = self.fp32 and q.device.type == "cpu" and q.dtype == torch.bfloat16
+        with contextlib.ExitStack() as stack:
+            if upcast:
+                stack.enter_context(torch.autocast("cpu", enabled=False))
+            if self.backend in _BACKENDS:
+                stack.enter_context(sdpa_kernel(_BACKENDS[self.backend]))
+            yield (lambda t: t.float()) if upcast else (lambda t: t)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def candidates(setting: str, device: str, autocast_dtype: torch.dtype | None) -> list[AttentionKernel]:
+    if setting != "auto":
+        return [AttentionKernel(setting, fp32=False)]
+    if not device.startswith("cpu"):
+        return [AttentionKernel("torch", fp32=False)]
+    upcasts = (False, True) if autocast_dtype == torch.bfloat16 else (False,)
+    return [AttentionKernel(b, fp32) for b in _BACKENDS for fp32 in upcasts]
+
+
+def choose_attention(setting: str, batch: int, heads: int, kv_heads: int, seq_len: int, head_dim: int,
+                     dropout: float, device: str, autocast_dtype: torch.dtype | None,
+                     repeats: int = 3) -> tuple[AttentionKernel, dict[str, float]]:
+    """The kernel for `train.attention` at this shape, and the measured milliseconds of each candidate."""
+    options = candidates(setting, device, autocast_dtype)
+    if len(options) == 1:
+        return options[0], {}
+    timings = {}
+    generator = torch.Generator(device=device).manual_seed(0)  # the global generators stay untouched
+    dtype = autocast_dtype or torch.float32
+    q = torch.randn(batch, heads, seq_len, head_dim, generator=generator, device=device, dtype=dtype)
+    k, v = (torch.randn(batch, kv_heads, seq_len, head_dim, generator=generator, device=device, dtype=dtype)
+            for _ in range(2))
+    grad = torch.randn_like(q)
+    for option in options:
+        try:
+            with warnings.catch_warnings():  # torch warns, then raises, for a kernel that cannot run this case
+                warnings.simplefilter("ignore", UserWarning)
+                times = [_time_once(option, q, k, v, grad, dropout, autocast_dtype, device)
+                         for _ in range(repeats + 1)]
+        except RuntimeError:  # no such kernel for this shape or dropout (CPU flash has no dropout)
+            continue
+        timings[f"{option.backend}{'/fp32' if option.fp32 else ''}"] = statistics.median(times[1:]) * 1e3
+    best = min(timings, key=timings.get)
+    backend, _, fp32 = best.partition("/")
+    chosen = AttentionKernel(backend, fp32=bool(fp32))
+    log.info("attention auto → %s (forward+backward ms at batch %d × %d heads × %d tokens: %s)", best, batch, heads,
+             seq_len, ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))
+    return chosen, timings
+
+
+def _time_once(option, q, k, v, grad, dropout, autocast_dtype, device) -> float:
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    started = time.perf_counter()
+    with torch.random.fork_rng(devices=[] if device.startswith("cpu") else [torch.device(device).index or 0]):
+        with torch.autocast(device.split(":")[0], dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            with option.scope(q) as cast:
+                y = F.scaled_dot_product_attention(cast(q), cast(k), cast(v), is_causal=True, dropout_p=dropout,
+                                                   enable_gqa=q.shape[1] != k.shape[1])
+        y.backward(grad.to(y.dtype))
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started

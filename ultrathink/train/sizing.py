@@ -1,0 +1,166 @@
+"""`model.size: auto`: the model shape a compute budget and a corpus call for.
+
+The rule, in three steps:
+
+1. **Candidates.** Every depth L from 1 to 32 with width d = 64·L, or 64 narrower or wider (loss is nearly flat
+   over a wide band of aspect ratios, Kaplan et al. 2020; 64 per layer is nanochat's), heads of 64 dimensions, key/value heads half the heads
+   (grouped-query attention) when the heads are even, context the largest power of two ≤ d (so attention scores
+   cost at most about a sixth of the weight FLOPs), clamped to [64, 2048]. Shape keys set in params.yaml win: only
+   candidates that agree with them are considered.
+2. **Tokens each candidate can see**: the budget's FLOPs divided by the candidate's training FLOPs per token (the
+   model's own count, `UltraThink.flops_per_token`). A time budget becomes FLOPs at the throughput measured on this
+   machine (budget.py's probe).
+3. **Predicted loss**, and the lowest wins: Chinchilla's fit L(N, D) = E + A/N^α + B/D^β (Hoffmann et al. 2022,
+   approach 3; N = non-embedding parameters), with D the *effective* tokens when the corpus repeats — each further
+   epoch is worth less, with the decay Muennighoff et al. 2023 fitted (R* = 15.4). So a small corpus and a large
+   budget give a wider model trained for fewer epochs, rather than 100 passes over the same text.
+
+The batch is the one that gives about TARGET_STEPS optimizer steps (a power of two of sequences, at least
+MIN_BATCH): small budgets need many small steps more than large batches. The learning rate is train.lr's.
+
+The absolute losses of the fit mean nothing for our tokenizer; only where its minimum lies is used. A FLOPs budget
+needs no measurement; a tokens budget fixes D, so N comes from Chinchilla's 20 tokens per parameter instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+CHINCHILLA = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
+REPEAT_DECAY = 15.4  # Muennighoff et al. 2023: R*_D, repetitions after which added epochs are worth 1/e as much
+TOKENS_PER_PARAM = 20  # Chinchilla's compute-optimal ratio, used when the budget is in tokens
+TARGET_STEPS = 1000
+MIN_BATCH = 4
+HEAD_DIM = 64
+MAX_LAYERS = 32
+SHAPE_KEYS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "seq_len")
+
+
+@dataclass(frozen=True)
+class Shape:
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    seq_len: int
+
+
+@dataclass
+class Sizing:
+    """The chosen shape and batch, with the figures behind the choice (logged and kept in the run's plan)."""
+    shape: Shape
+    batch_size: int
+    params: int  # all parameters (the tied embedding once)
+    non_embedding_params: int
+    flops_per_token: int
+    tokens: float  # what the budget buys at this shape
+    epochs: float  # tokens / the corpus's training tokens
+    predicted_loss: float
+    runner_up: dict
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "shape": asdict(self.shape)}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Sizing":
+        return cls(**{**raw, "shape": Shape(**raw["shape"])})
+
+    def explain(self) -> str:
+        s = self.shape
+        return (f"model.size auto: d_model {s.d_model}, {s.n_layers} layers, {s.n_heads} heads ({s.n_kv_heads} kv), "
+                f"seq_len {s.seq_len}, batch {self.batch_size}: {self.params / 1e6:.2f}M params, "
+                f"{self.tokens / 1e6:.2f}M tokens ({self.epochs:.1f} epochs of the corpus) — the lowest loss "
+                f"Chinchilla's fit predicts for this budget with repeated data discounted "
+                f"(next best: {self.runner_up.get('shape')})")
+
+
+def effective_tokens(tokens: float, unique: float) -> float:
+    """Muennighoff et al.'s data-constrained scaling: the first epoch counts in full, repeats less and less."""
+    if tokens <= unique:
+        return tokens
+    repeats = tokens / unique - 1
+    return unique + unique * REPEAT_DECAY * (1 - math.exp(-repeats / REPEAT_DECAY))
+
+
+def predicted_loss(non_embedding_params: int, tokens: float, unique: float) -> float:
+    c = CHINCHILLA
+    return c["E"] + c["A"] / non_embedding_params ** c["alpha"] + c["B"] / effective_tokens(tokens, unique) ** c["beta"]
+
+
+def candidate_shapes(fixed: dict[str, int]) -> list[Shape]:
+    shapes = []
+    for layers in range(1, MAX_LAYERS + 1):
+        for d in (64 * layers - 64, 64 * layers, 64 * layers + 64):
+            if d < 64:
+                continue
+            shape = shape_for(fixed.get("d_model", d), fixed.get("n_layers", layers))
+            shape.update(fixed)
+            if valid(shape):
+                shapes.append(Shape(**shape))
+    return list(dict.fromkeys(shapes))
+
+
+def shape_for(d: int, layers: int) -> dict[str, int]:
+    heads = max(1, d // HEAD_DIM)
+    return {"d_model": d, "n_layers": layers, "n_heads": heads, "n_kv_heads": heads // 2 if heads % 2 == 0 else heads,
+            "seq_len": min(2048, max(64, 2 ** int(math.log2(d))))}
+
+
+def valid(shape: dict) -> bool:
+    d, h, kv = shape["d_model"], shape["n_heads"], shape["n_kv_heads"]
+    return d % h == 0 and h % kv == 0 and (d // h) % 2 == 0
+
+
+@functools.lru_cache(maxsize=4096)
+def _counts(shape: Shape, model_json: str, vocab_size: int) -> tuple[int, int, int]:
+    from ultrathink.config import ModelConfig
+    from ultrathink.model import UltraThink
+    from ultrathink.model.routing import variant_classes
+
+    cfg = ModelConfig.model_validate_json(model_json)
+    variant_classes(cfg)  # imported outside the meta device: their module-level tensors must be real ones
+    with torch.device("meta"):
+        model = UltraThink(cfg, vocab_size)
+    params = model.num_params()
+    return params, params - vocab_size * shape.d_model, model.flops_per_token()
+
+
+def counts(shape: Shape, model_cfg, vocab_size: int) -> tuple[int, int, int]:
+    """(parameters, non-embedding parameters, training FLOPs per token) of `shape`, from the model itself, built
+    on the meta device (no memory, no time)."""
+    cfg = model_cfg.model_copy(update={**asdict(shape), "size": "manual"})
+    return _counts(shape, cfg.model_dump_json(), vocab_size)
+
+
+def batch_for(tokens: float, seq_len: int) -> int:
+    sequences = max(MIN_BATCH, tokens / TARGET_STEPS / seq_len)
+    return 2 ** round(math.log2(sequences))
+
+
+def choose(model_cfg, vocab_size: int, corpus_tokens: int, *, flops: float | None = None,
+           tokens: float | None = None, batch_size: int | None = None) -> Sizing:
+    """The shape for a budget of `flops` (compute) or `tokens`, on a corpus of `corpus_tokens` training tokens.
+    Shape keys of `model_cfg` that are set (not null) are kept."""
+    fixed = {k: getattr(model_cfg, k) for k in SHAPE_KEYS if getattr(model_cfg, k) is not None}
+    scored = []
+    for shape in candidate_shapes(fixed):
+        params, non_embedding, per_token = counts(shape, model_cfg, vocab_size)
+        if tokens is not None:  # a tokens budget: Chinchilla's ratio, the nearest candidate
+            seen = tokens
+            score = abs(math.log(non_embedding * TOKENS_PER_PARAM / tokens))
+        else:
+            seen = flops / per_token
+            score = predicted_loss(non_embedding, seen, corpus_tokens)
+        scored.append((score, shape, params, non_embedding, per_token, seen))
+    if not scored:
+        raise ValueError(f"model.size auto: no valid shape agrees with the fixed keys {fixed}")
+    scored.sort(key=lambda row: row[0])
+    score, shape, params, non_embedding, per_token, seen = scored[0]
+    runner = scored[1] if len(scored) > 1 else None
+    return Sizing(shape, batch_size or batch_for(seen, shape.seq_len), params, non_embedding, per_token, seen,
+                  seen / corpus_tokens, score,
+                  {"shape": asdict(runner[1]), "score": runner[0]} if runner else {})
