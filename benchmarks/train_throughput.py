@@ -1,92 +1,118 @@
-"""Training throughput: UltraThink vs Hugging Face LlamaForCausalLM with identical shapes, in one process,
-interleaved repetitions, per precision. Prints tokens/s, MFU (against the measured matmul peak) and the ratios.
+"""Training speed at one shape: UltraThink through the real Trainer (what `train` runs: engine, precision, optimizer,
+clipping, schedule) against a nanoGPT-style GPT-2 written in benchmarks/reference_gpt.py and Hugging Face's
+LlamaForCausalLM, in one process, steps interleaved so the machine's drift hits all alike.
 
-UltraThink runs what its trainer runs: its optimizer (fused AdamW with weight-decay groups), eager and with
-`train.compile` (torch.compile, which fuses the norm, rotary, SiLU and cast passes between the matmuls). The HF
-reference runs as a user would run it: eager, torch's default AdamW.
+Same width, depth, heads, sequence and vocabulary for all: GPT-2's 4× GELU MLP and Llama's 8/3× SwiGLU have the same
+parameter count. Every model trains in the precision `auto` picks (bf16 on CPUs with native bf16), with dropout 0.
+The references run as their authors' loops do: autocast, loss.backward(), fused AdamW (nanoGPT's groups) or torch's
+default AdamW (HF), no clipping. UltraThink runs eager and with `train.compile`; the references eager and (GPT-2)
+compiled.
 
-    python benchmarks/train_throughput.py [--precisions fp32 bf16] [--reps 3] [--steps 3]
-
-bf16 is skipped unless asked for: on CPUs without native bf16 (AVX2-only) it runs ~40-100x slower than fp32.
+    .venv/bin/python benchmarks/train_throughput.py [--steps 6] [--reps 5] [--no-compile]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+import tempfile
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import ultrathink  # noqa: F401
-from ultrathink.config import ModelConfig, TrainConfig
-from ultrathink.model import UltraThink
-from ultrathink.train.precision import peak_flops
-from ultrathink.train.engine import autocast
-from ultrathink.train.optim import build_optimizers
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reference_gpt import GPT  # noqa: E402
+
+from ultrathink.config import ModelConfig, TrainConfig  # noqa: E402
+from ultrathink.model import UltraThink  # noqa: E402
+from ultrathink.train.checkpoint import CheckpointManager, Fingerprint  # noqa: E402
+from ultrathink.train.engine import autocast  # noqa: E402
+from ultrathink.train.loader import TokenWindows  # noqa: E402
+from ultrathink.train.precision import peak_flops, resolve_precision  # noqa: E402
+from ultrathink.train.trainer import Trainer  # noqa: E402
 
 SHAPE = dict(d_model=384, n_layers=6, n_heads=6, n_kv_heads=6, seq_len=256)
 VOCAB, BATCH = 4096, 8
 
 
-def models() -> dict[str, torch.nn.Module]:
+def ultrathink_step(workdir: Path, compile: bool, **train):
+    """A Trainer over random tokens; returns its train_step and model."""
     cfg = ModelConfig(**SHAPE, dropout=0.0)
-    hf = LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=cfg.d_model, intermediate_size=cfg.hidden, num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, max_position_embeddings=cfg.seq_len,
-        tie_word_embeddings=True, attn_implementation="sdpa"))
-    return {"ultrathink": UltraThink(cfg, VOCAB), "ultrathink+compile": UltraThink(cfg, VOCAB), "hf_llama": hf}
+    settings = TrainConfig(batch_size=BATCH, max_steps=10**6, warmup_steps=10, lr=1e-3, precision="auto",
+                           compile=compile, eval_every=10**9, checkpoint_every=10**9, **train)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, 200_000).astype(np.uint16)
+    torch.manual_seed(0)
+    model = UltraThink(cfg, VOCAB)
+    name = f"bench-{compile}"
+    trainer = Trainer(model, TokenWindows(tokens, cfg.seq_len, BATCH, seed=0), tokens[:10_000], settings,
+                      CheckpointManager(workdir / name, Fingerprint(name, "bench", "bench"), 1, 1))
+    return trainer.train_step, model
 
 
-def step_fn(name: str, model: torch.nn.Module, precision: str):
-    x = torch.randint(0, VOCAB, (BATCH, SHAPE["seq_len"]))
-    if name == "hf_llama":
-        opts = [torch.optim.AdamW(model.parameters(), lr=1e-4)]
-        forward = lambda: model(input_ids=x, labels=x).loss  # noqa: E731
-    else:
-        opts = build_optimizers(model, TrainConfig(lr=1e-4))
-        module = torch.compile(model) if name.endswith("+compile") else model
-        forward = lambda: module(x, x)[1]  # noqa: E731
-
+def reference_step(model: torch.nn.Module, optimizer, forward, precision: str):
     def step() -> None:
         with autocast(precision):
             loss = forward()
         loss.backward()
-        for opt in opts:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return step
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--precisions", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6, help="steps per timed repetition")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile variants")
     args = parser.parse_args()
-    built = models()
-    flops_per_token = built["ultrathink"].flops_per_token()
-    tokens = BATCH * SHAPE["seq_len"] * args.steps
-    print(f"shape {SHAPE} batch {BATCH}; {built['ultrathink'].num_params() / 1e6:.1f}M params; "
-          f"{torch.get_num_threads()} threads")
-    for precision in args.precisions:
-        peak = peak_flops(precision)
-        steps = {n: step_fn(n, m, precision) for n, m in built.items()}
-        for step in steps.values():
-            step()  # warm-up (and, for the compiled model, its compilation)
+    precision = resolve_precision("auto")
+    torch.manual_seed(0)
+    x = torch.randint(0, VOCAB, (BATCH, SHAPE["seq_len"]))
+    gpt = GPT(VOCAB, SHAPE["d_model"], SHAPE["n_layers"], SHAPE["n_heads"], SHAPE["seq_len"])
+    cfg = ModelConfig(**SHAPE, dropout=0.0)
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=cfg.d_model, intermediate_size=cfg.hidden, num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, max_position_embeddings=cfg.seq_len,
+        tie_word_embeddings=True, attn_implementation="sdpa"))
+    with tempfile.TemporaryDirectory() as tmp:
+        steps, params = {}, {}
+        steps["ultrathink"], model = ultrathink_step(Path(tmp), compile=False)
+        params["ultrathink"] = model.num_params()
+        steps["gpt2_ref"] = reference_step(gpt, gpt.optimizer(1e-3), lambda: gpt(x, x), precision)
+        params["gpt2_ref"] = sum(p.numel() for p in gpt.parameters())
+        steps["hf_llama"] = reference_step(hf, torch.optim.AdamW(hf.parameters(), lr=1e-3),
+                                           lambda: hf(input_ids=x, labels=x).loss, precision)
+        params["hf_llama"] = sum(p.numel() for p in hf.parameters())
+        if not args.no_compile:
+            steps["ultrathink+compile"], _ = ultrathink_step(Path(tmp), compile=True)
+            compiled = torch.compile(gpt)
+            steps["gpt2_ref+compile"] = reference_step(gpt, gpt.optimizer(1e-3), lambda: compiled(x, x), precision)
+        for step in steps.values():  # warm-up: kernel selection, compilation
+            for _ in range(2):
+                step()
         best = {n: float("inf") for n in steps}
-        for _ in range(args.reps):  # interleaved, so drift in the machine's speed hits both alike
+        for _ in range(args.reps):
             for name, step in steps.items():
                 started = time.perf_counter()
                 for _ in range(args.steps):
                     step()
-                best[name] = min(best[name], time.perf_counter() - started)
-        rate = {n: tokens / t for n, t in best.items()}
-        print(f"\n{precision}: measured matmul peak {peak / 1e9:.0f} GFLOP/s")
-        for name, tps in rate.items():
-            print(f"  {name:<18} {tps:8,.0f} tok/s   MFU {flops_per_token * tps / peak:6.1%}")
-        for name in ("ultrathink", "ultrathink+compile"):
-            print(f"  ratio {name} / hf_llama: {rate[name] / rate['hf_llama']:.2f}x")
+                best[name] = min(best[name], (time.perf_counter() - started) / args.steps)
+    tokens = BATCH * SHAPE["seq_len"]
+    flops = model.flops_per_token()
+    peak = peak_flops(precision)
+    print(f"shape {SHAPE} batch {BATCH} vocab {VOCAB}, precision {precision}, {torch.get_num_threads()} threads; "
+          f"params " + ", ".join(f"{n} {p / 1e6:.2f}M" for n, p in params.items()))
+    for name, seconds in best.items():
+        mfu = f"  MFU {flops * tokens / seconds / peak:5.1%}" if peak else ""
+        print(f"  {name:<20} {seconds * 1e3:7.1f} ms/step {tokens / seconds:9,.0f} tok/s{mfu}")
+    rate = {n: tokens / s for n, s in best.items()}
+    for ours in [n for n in rate if n.startswith("ultrathink")]:
+        for ref, goal in (("gpt2_ref", 1.25), ("gpt2_ref+compile", None), ("hf_llama", 1.5)):
+            if ref in rate:
+                print(f"  {ours} / {ref}: {rate[ours] / rate[ref]:.2f}x" + (f" (goal ≥ {goal}x)" if goal else ""))
 
 
 if __name__ == "__main__":
