@@ -27,6 +27,7 @@ import torch
 from ultrathink.config import DataConfig, ModelConfig, TokenizerConfig, TrainConfig
 from ultrathink.data.sources import load_corpus
 from ultrathink.model import UltraThink
+from ultrathink.model.kernels import choose_attention
 from ultrathink.tokenizer import load_tokenizer, train_tokenizer
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.loader import TokenWindows
@@ -146,24 +147,13 @@ def dre_vs_dense(train, val, vocab, steps, every, warmup, workdir) -> None:
           f"{longer_loss - dense_loss:+.4f} nats ({longer_loss / dense_loss - 1:+.1%})")
 
 
-def attention_precision(reps: int = 10) -> None:
-    """Why attention runs in fp32 on a CPU (model.py, cpu_attention_in_fp32): SDPA forward+backward at the DRE
-    shape's attention (16 rows, 8 query and 4 key/value heads of 64) in bf16 and in fp32."""
-    import torch.nn.functional as F
-
-    for length in (128, 64):
-        times = {}
-        for dtype in (torch.bfloat16, torch.float32):
-            q = torch.randn(BATCH, 8, length, 64, dtype=dtype, requires_grad=True)
-            k, v = (torch.randn(BATCH, 4, length, 64, dtype=dtype, requires_grad=True) for _ in range(2))
-            seconds = []
-            for _ in range(reps + 1):
-                started = time.perf_counter()
-                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).float().sum().backward()
-                seconds.append(time.perf_counter() - started)
-            times[dtype] = float(np.median(seconds[1:]))
-        print(f"attention fwd+bwd, {length} tokens: bf16 {times[torch.bfloat16] * 1e3:.1f} ms, fp32 "
-              f"{times[torch.float32] * 1e3:.1f} ms → fp32 {times[torch.bfloat16] / times[torch.float32]:.2f}× faster")
+def attention_choice() -> None:
+    """What train.attention auto measures (ultrathink/model/kernels.py) at the DRE shape's attention (16 rows, 8
+    query and 4 key/value heads of 64), bf16 autocast: forward+backward ms of each kernel, and its choice."""
+    for length in (256, 128, 64):
+        kernel, timings = choose_attention("auto", BATCH, 8, 4, length, 64, 0.0, "cpu", torch.bfloat16)
+        print(f"attention fwd+bwd, {length} tokens: " + ", ".join(f"{k} {v:.1f} ms" for k, v in timings.items())
+              + f" → {kernel.backend}{' in fp32' if kernel.fp32 else ''}")
 
 
 def main() -> None:
@@ -174,12 +164,12 @@ def main() -> None:
     parser.add_argument("--moe-steps", type=int, default=15, help="MoE timing: training steps per model")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--skip-moe", action="store_true")
-    parser.add_argument("--attention", action="store_true", help="only time attention in bf16 vs fp32")
+    parser.add_argument("--attention", action="store_true", help="only time the attention kernels (train.attention)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.attention:
-        attention_precision()
+        attention_choice()
         return
     started = time.perf_counter()
     train, val, vocab, source = corpus_tokens(vocab_size=4096)

@@ -31,7 +31,7 @@ from ultrathink.model import UltraThink  # noqa: E402
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint  # noqa: E402
 from ultrathink.train.engine import autocast  # noqa: E402
 from ultrathink.train.loader import TokenWindows  # noqa: E402
-from ultrathink.train.precision import peak_flops, resolve_precision  # noqa: E402
+from ultrathink.train.precision import keep_freed_host_memory, peak_flops, resolve_precision  # noqa: E402
 from ultrathink.train.trainer import Trainer  # noqa: E402
 
 SHAPE = dict(d_model=384, n_layers=6, n_heads=6, n_kv_heads=6, seq_len=256)
@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile variants")
     args = parser.parse_args()
+    keep_freed_host_memory()  # as the train stage does (for every model here: they share the process)
     precision = resolve_precision("auto")
     torch.manual_seed(0)
     x = torch.randint(0, VOCAB, (BATCH, SHAPE["seq_len"]))

@@ -25,6 +25,7 @@ from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.distributed import Distributed, setup
 from ultrathink.train.loader import TokenWindows
 from ultrathink.train.sizing import Sizing
+from ultrathink.train.precision import keep_freed_host_memory
 from ultrathink.train.trainer import Trainer
 from ultrathink.train.warm_start import (LINEAGE_FILE, Parent, WarmStartError, check_optimizer, find_parent,
                                         load_parent_weights)
@@ -100,6 +101,7 @@ def run(params: Params) -> None:
     cfg = params.train
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    keep_freed_host_memory()
     dist = setup(cfg.backend)
     try:
         trainer, parent, plan = build_trainer(params, dist, StepMetrics(cfg.log_every))

@@ -180,3 +180,35 @@ def test_a_tokens_budget_trains_exactly_its_steps(tmp_path):
     assert summary["plan"]["warmup_steps"] == round(0.25 * summary["steps"])
     # compile auto measured the eager step (a probe) and found the run far too short for a compile to pay.
     assert summary["plan"]["probe"]["step_seconds"] > 0 and summary["plan"]["compile"] is False
+
+
+def test_attention_auto_times_each_kernel_and_keeps_the_default_unless_clearly_faster():
+    from ultrathink.model.kernels import MIN_GAIN, AttentionKernel, choose_attention
+
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    chosen, timings = choose_attention("auto", 4, 4, 2, 64, 16, 0.0, "cpu", torch.bfloat16)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert set(timings) == {"torch/fp32", "flash", "flash/fp32", "math", "math/fp32"}
+    label = f"{chosen.backend}{'/fp32' if chosen.fp32 else ''}"
+    assert timings[label] == min(timings.values()) or chosen == AttentionKernel()
+    if chosen != AttentionKernel():
+        assert timings[label] * MIN_GAIN <= timings["torch/fp32"]
+    # With attention dropout the CPU flash kernel cannot run: it is left out, not chosen.
+    _, with_dropout = choose_attention("auto", 4, 4, 2, 64, 16, 0.1, "cpu", torch.bfloat16)
+    assert "flash" not in with_dropout and "math" in with_dropout
+    assert choose_attention("math", 4, 4, 2, 64, 16, 0.0, "cpu", None) == (AttentionKernel("math", False), {})
+
+
+def test_the_attention_kernel_is_part_of_a_checkpoint_and_comes_back_on_resume(tmp_path):
+    from test_train import make_trainer
+    from ultrathink.model.kernels import AttentionKernel
+
+    trainer = make_trainer(tmp_path, 5, attention="flash", model_cfg=ModelConfig(
+        d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, seq_len=16, dropout=0.0))
+    trainer.fit()
+    resumed = make_trainer(tmp_path, 5, attention="math", model_cfg=trainer.model.cfg)
+    resumed.checkpoints = trainer.checkpoints
+    assert resumed.resume() == 5
+    assert resumed.attention == AttentionKernel("flash", False)
+    assert all(m.kernel == resumed.attention for m in resumed.model.modules() if hasattr(m, "kernel"))

@@ -49,7 +49,9 @@ LOSS_RTOL, WEIGHT_ATOL, THRESHOLD_ATOL = 1e-5, 1e-5, 1e-6
 
 def configure(base: Path, model: dict | None = None, **train) -> None:
     params = yaml.safe_load((base / "params.yaml").read_text())
-    params["train"].update({"max_steps": 20, "threads": 1, "select": "last", **train})
+    # A fixed attention kernel: `auto` measures afresh in every run, and runs compared across backends must not
+    # differ by a close timing that picked flash in one and math in the other.
+    params["train"].update({"max_steps": 20, "threads": 1, "select": "last", "attention": "torch", **train})
     # Dropout masks are per process: the one thing data parallelism changes.
     params["model"].update({"dropout": 0.0, **ROUTED, **(model or {})})
     (base / "params.yaml").write_text(yaml.safe_dump(params))
