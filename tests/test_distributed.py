@@ -53,7 +53,8 @@ def configure(base: Path, model: dict | None = None, **train) -> None:
     # differ by a close timing that picked flash in one and math in the other. Cosine, not the default WSD: WSD holds
     # the peak learning rate to the last steps, which amplifies the reduction-order rounding of ZeRO-3's flattened
     # buffers to 1.6e-5 in the weights after 20 steps (7e-7 under cosine), past WEIGHT_ATOL.
-    params["train"].update({"max_steps": 20, "threads": 1, "select": "last", "attention": "torch", "schedule": "cosine", **train})
+    params["train"].update({"max_steps": 20, "threads": 1, "select": "last", "attention": "torch",
+                            "schedule": "cosine", **train})
     # Dropout masks are per process: the one thing data parallelism changes.
     params["model"].update({"dropout": 0.0, **ROUTED, **(model or {})})
     (base / "params.yaml").write_text(yaml.safe_dump(params))
@@ -283,3 +284,25 @@ def test_each_variant_alone_trains_on_every_backend_like_one_process(variant_sin
         assert a[figure] == pytest.approx(b[figure], abs=1e-9), a["step"]
     wa, wb = weights(single_base), weights(base)
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < WEIGHT_ATOL
+
+
+def test_a_time_budget_is_planned_once_by_rank_0_and_both_ranks_take_its_steps(tmp_path):
+    """Rank 0 probes and sizes; the plan reaches rank 1 through one broadcast, so both train the same steps of the
+    same shape (DDP checks at every checkpoint that their weights agree)."""
+    base = tiny_project(tmp_path, "budget")
+    params = yaml.safe_load((base / "params.yaml").read_text())
+    params["model"] = {"size": "auto", "dropout": 0.0}
+    params["train"].update({"budget": "6s", "batch_size": None, "threads": 1, "attention": "torch",
+                            "checkpoint_every": 40, "eval_every": 40})
+    (base / "params.yaml").write_text(yaml.safe_dump(params))
+    output = torchrun(base, tracking(tmp_path), 29567)
+    assert output.count("plan: ") == 1 and "model.size auto: d_model" in output
+    (folder,) = [p for p in (base / "ckpt").iterdir() if (p / "plan.json").is_file()]
+    plan = json.loads((folder / "plan.json").read_text())
+    summary = json.loads((base / "model" / "train_summary.json").read_text())
+    assert summary["steps"] == plan["max_steps"] > 0 and summary["plan"] == plan
+    # Two ranks of batch_size each: the plan's tokens per step counts both.
+    shape = plan["sizing"]["shape"]
+    assert plan["tokens_per_step"] == 2 * plan["sizing"]["batch_size"] * shape["seq_len"]
+    config = json.loads((base / "model" / "config.json").read_text())["model"]
+    assert {k: config[k] for k in shape} == shape
