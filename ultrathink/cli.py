@@ -85,6 +85,49 @@ def eval_text(model: str = typer.Option(..., "--model", "-m", help="model dir (a
           f"  ({score.tokens:,} tokens, {score.bytes:,} bytes, {score.documents:,} documents)")
 
 
+@app.command()
+def generate(model: str = typer.Option(..., "--model", "-m", help="model dir (artifacts/model) or MLflow URI "
+                                       "(models:/ultrathink@champion)"),
+             prompt: str = typer.Option(..., "--prompt", help="text to continue (cropped to its last tokens when "
+                                        "longer than the context)"),
+             max_new_tokens: Optional[int] = typer.Option(None, help="default: evaluate.max_new_tokens"),
+             temperature: Optional[float] = typer.Option(None, help="0 is greedy; default: evaluate.temperature"),
+             top_k: Optional[int] = typer.Option(None, help="default: evaluate.top_k"),
+             top_p: Optional[float] = typer.Option(None, help="default: evaluate.top_p"),
+             seed: Optional[int] = typer.Option(None, help="default: evaluate.seed"),
+             params: Path = PARAMS_OPT, set_: Optional[list[str]] = SET_OPT) -> None:
+    """Continue a prompt with a model, printing the text as the tokens come. Unset flags take the evaluate.*
+    params, so `generate` samples as the evaluate stage and the registered model do."""
+    from pydantic import ValidationError
+
+    from ultrathink.config import EvaluateConfig
+    from ultrathink.model import UltraThink
+    from ultrathink.model.generate import stream_text
+    from ultrathink.text_eval import resolve_model
+    from ultrathink.tokenizer import load_tokenizer
+
+    settings = _load(params, set_) if params.exists() or set_ else Params()
+    flags = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+             "seed": seed}
+    try:
+        cfg = EvaluateConfig.model_validate({**settings.evaluate.model_dump(),
+                                             **{k: v for k, v in flags.items() if v is not None}})
+    except ValidationError as exc:
+        problems = "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" for e in exc.errors())
+        err.print(f"[bold red]error:[/] {problems}", highlight=False)
+        raise typer.Exit(2) from None
+    try:
+        model_dir, tokenizer_dir = resolve_model(model)
+    except StageError as exc:
+        err.print(f"[bold red]generate failed:[/] {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    loaded, tokenizer = UltraThink.from_pretrained(model_dir), load_tokenizer(tokenizer_dir)
+    for piece in stream_text(loaded, tokenizer, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed,
+                             cfg.top_p):
+        print(piece, end="", flush=True)
+    print()
+
+
 registry_app = typer.Typer(no_args_is_help=True, help="The registered models: list, promote, roll back.")
 app.add_typer(registry_app, name="registry")
 MODEL_NAME_OPT = typer.Option(None, "--name", help="registered model (default: registry.model_name of params.yaml)")

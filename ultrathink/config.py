@@ -427,6 +427,8 @@ class EvaluateConfig(Section):
     max_new_tokens: int = Field(48, ge=1)
     temperature: float = Field(0.8, ge=0, description="0 means greedy")
     top_k: int | None = Field(50, ge=1)
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: sample among the most likely tokens that "
+                         "hold this share of the probability; 1 = no cut")
     seed: int = 0
 
 

@@ -52,8 +52,9 @@ def unigram_cross_entropy(train_tokens: np.ndarray, val_tokens: np.ndarray, voca
 
 
 def sample_generations(model: UltraThink, tokenizer, cfg: EvaluateConfig) -> list[dict[str, str]]:
-    """For each prompt, the greedy continuation and one sampled with the configured temperature and top-k."""
+    """For each prompt, the greedy continuation and one sampled with the configured temperature, top-k and top-p."""
     def complete(prompt: str, temperature: float) -> str:
-        return generate_text(model, tokenizer, prompt, cfg.max_new_tokens, temperature, cfg.top_k, cfg.seed)
+        return generate_text(model, tokenizer, prompt, cfg.max_new_tokens, temperature, cfg.top_k, cfg.seed,
+                             cfg.top_p)
 
     return [{"prompt": p, "greedy": complete(p, 0.0), "sampled": complete(p, cfg.temperature)} for p in cfg.prompts]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from ultrathink.model.model import KVCache, UltraThink
@@ -25,14 +27,23 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)
 
 
+def crop_prompt(idx: torch.Tensor, context: int, max_new_tokens: int) -> torch.Tensor:
+    """A prompt too long for the context keeps its last tokens, leaving room for max_new_tokens (at most half the
+    context): the model reads the text nearest to what it continues."""
+    keep = context - min(max_new_tokens, context // 2)
+    return idx[:, -keep:] if idx.shape[1] > keep else idx
+
+
 @torch.no_grad()
-def generate(model: UltraThink, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
-             seed: int | None = None, use_cache: bool = True) -> torch.Tensor:
-    """Extend `idx` (B, T) by up to max_new_tokens; rows stop growing after they emit eos_id (padded with eos_id).
-    The total length is capped by the model's context length."""
+def stream(model: UltraThink, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+           top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
+           seed: int | None = None, use_cache: bool = True) -> Iterator[torch.Tensor]:
+    """Extend `idx` (B, T) token by token, yielding each step's new ids (B, 1), for up to max_new_tokens steps;
+    rows that emitted eos_id keep emitting it, and the stream ends when all have. A prompt longer than the context
+    allows is cropped to its last tokens (crop_prompt)."""
     model.eval()
     generator = torch.Generator(device=idx.device).manual_seed(seed) if seed is not None else None
+    idx = crop_prompt(idx, model.cfg.seq_len, max_new_tokens)
     max_new_tokens = min(max_new_tokens, model.cfg.seq_len - idx.shape[1])
     cache = KVCache(model.cfg.n_layers) if use_cache else None
     finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
@@ -45,16 +56,42 @@ def generate(model: UltraThink, idx: torch.Tensor, max_new_tokens: int, temperat
             finished |= nxt[:, 0] == eos_id
         idx = torch.cat([idx, nxt], dim=1)
         fresh = nxt
+        yield nxt
         if finished.all():
             break
-    return idx
+
+
+def generate(model: UltraThink, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
+             seed: int | None = None, use_cache: bool = True) -> torch.Tensor:
+    """`idx` (cropped to the context, see crop_prompt) followed by the tokens `stream` generates: (B, T')."""
+    prompt = crop_prompt(idx, model.cfg.seq_len, max_new_tokens)
+    new = list(stream(model, idx, max_new_tokens, temperature, top_k, top_p, eos_id, seed, use_cache))
+    return torch.cat([prompt, *new], dim=1)
+
+
+def stream_text(model: UltraThink, tokenizer, prompt: str, max_new_tokens: int, temperature: float,
+                top_k: int | None, seed: int, top_p: float | None = None) -> Iterator[str]:
+    """The continuation of `prompt` as text, piece by piece as tokens come, stopping at end-of-text. A piece is
+    held back while it ends inside a multi-byte character (byte-level tokens can split one)."""
+    ids = tokenizer.encode(prompt, add_special_tokens=False) or [tokenizer.eos_token_id]
+    new: list[int] = []
+    shown = ""
+    for token in stream(model, torch.tensor([ids], dtype=torch.long), max_new_tokens, temperature, top_k, top_p,
+                        tokenizer.eos_token_id, seed):
+        if token.item() == tokenizer.eos_token_id:
+            break
+        new.append(token.item())
+        text = tokenizer.decode(new)
+        if not text.endswith("\ufffd") and len(text) > len(shown):
+            yield text[len(shown):]
+            shown = text
+    text = tokenizer.decode(new)
+    if len(text) > len(shown):
+        yield text[len(shown):]
 
 
 def generate_text(model: UltraThink, tokenizer, prompt: str, max_new_tokens: int, temperature: float,
                   top_k: int | None, seed: int, top_p: float | None = None) -> str:
     """The continuation of `prompt` as text (without the prompt), stopping at end-of-text."""
-    ids = tokenizer.encode(prompt, add_special_tokens=False) or [tokenizer.eos_token_id]
-    prompt_ids = torch.tensor([ids], dtype=torch.long)
-    out = generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, tokenizer.eos_token_id, seed)
-    new = [t for t in out[0, prompt_ids.shape[1]:].tolist() if t != tokenizer.eos_token_id]
-    return tokenizer.decode(new)
+    return "".join(stream_text(model, tokenizer, prompt, max_new_tokens, temperature, top_k, seed, top_p))

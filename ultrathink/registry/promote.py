@@ -51,7 +51,7 @@ def pip_requirements() -> list[str]:
 
 def generation_defaults(eval_cfg: EvaluateConfig) -> dict:
     return {"max_new_tokens": eval_cfg.max_new_tokens, "temperature": eval_cfg.temperature,
-            "top_k": eval_cfg.top_k, "seed": eval_cfg.seed}
+            "top_k": eval_cfg.top_k, "top_p": eval_cfg.top_p, "seed": eval_cfg.seed}
 
 
 def signature(eval_cfg: EvaluateConfig) -> ModelSignature:
@@ -65,6 +65,7 @@ def signature(eval_cfg: EvaluateConfig) -> ModelSignature:
         ParamSpec("max_new_tokens", "long", defaults["max_new_tokens"]),
         ParamSpec("temperature", "double", float(defaults["temperature"])),
         ParamSpec("top_k", "long", defaults["top_k"]),
+        ParamSpec("top_p", "double", float(defaults["top_p"])),
         ParamSpec("seed", "long", defaults["seed"]),
     ])
     return ModelSignature(inputs=Schema([ColSpec("string")]),

@@ -4,7 +4,7 @@ MLflow logs this file's source instead of a cloudpickled object: loading a regis
 then reads the weights with safetensors, so nothing is unpickled. Artifacts (set at log time by promote.py):
   model       the model dir written by `UltraThink.save_pretrained` (model.safetensors + config.json)
   tokenizer   the tokenizer dir readable by `ultrathink.tokenizer.load_tokenizer`
-  generation  generation.json: default max_new_tokens, temperature, top_k and seed
+  generation  generation.json: default max_new_tokens, temperature, top_k, top_p and seed
 The `ultrathink` package travels with the model as `code_paths`, so these imports work wherever it is loaded.
 """
 
@@ -23,7 +23,7 @@ from ultrathink.model.generate import generate_text
 from ultrathink.tokenizer import load_tokenizer
 
 PROMPT_COLUMN = "prompt"
-GENERATION_KEYS = ("max_new_tokens", "temperature", "top_k", "seed")
+GENERATION_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
 
 
 def to_prompts(model_input: Any) -> list[str]:
@@ -49,12 +49,13 @@ class UltraThinkModel(PythonModel):
 
     def generation_knobs(self, params: dict[str, Any] | None) -> dict[str, Any]:
         """generation.json defaults, overridden by any known key in `params` (unknown keys are ignored).
-        top_k of 0 or None means no top-k cut; temperature 0 means greedy."""
+        top_k of 0 or None means no top-k cut, top_p of 1 or None no nucleus cut; temperature 0 means greedy."""
         knobs = {k: self.defaults.get(k) for k in GENERATION_KEYS}
         knobs.update({k: v for k, v in (params or {}).items() if k in GENERATION_KEYS})
         knobs["max_new_tokens"] = int(knobs["max_new_tokens"])
         knobs["temperature"] = float(knobs["temperature"])
         knobs["top_k"] = int(knobs["top_k"]) if knobs["top_k"] else None
+        knobs["top_p"] = float(knobs["top_p"]) if knobs.get("top_p") is not None else None  # older models: none
         knobs["seed"] = int(knobs["seed"])
         return knobs
 
