@@ -17,7 +17,8 @@ from ultrathink.data.packing import load_split, read_meta
 from ultrathink.io import atomic_dir, atomic_write_json
 from ultrathink.lineage import code_hash, directory_hash, lineage_tags
 from ultrathink.model import UltraThink
-from ultrathink.registry.tracking import StepMetrics, load_run_id, pin_model_uri, save_run_id, start_or_resume_run
+from ultrathink.registry.tracking import (MetricSinks, StepMetrics, TensorBoardScalars, load_run_id, pin_model_uri,
+                                         save_run_id, start_or_resume_run)
 from ultrathink.text_eval import is_mlflow_uri, resolve_model
 from ultrathink.tokenizer import tokenizer_hash
 from ultrathink.train.budget import Plan, apply_plan, make_plan
@@ -104,7 +105,7 @@ def run(params: Params) -> None:
     keep_freed_host_memory()
     dist = setup(cfg.backend)
     try:
-        trainer, parent, plan = build_trainer(params, dist, StepMetrics(cfg.log_every))
+        trainer, parent, plan = build_trainer(params, dist)
         resumed = trainer.resume()
         if dist.is_main:
             plan.save(trainer.checkpoints.directory)  # after resume(), which may set an old folder aside
@@ -137,6 +138,14 @@ def leave_at_once() -> None:
     os._exit(0)
 
 
+def metric_sinks(params: Params, run_id: str) -> MetricSinks:
+    """Every step's metrics to the MLflow run (in batches), and to TensorBoard when train.tensorboard is on."""
+    sinks = [StepMetrics(params.train.log_every)]
+    if params.train.tensorboard:
+        sinks.append(TensorBoardScalars(Path(params.paths.tensorboard_dir) / run_id))
+    return MetricSinks(*sinks)
+
+
 def describe(plan: Plan) -> str:
     """One line on what the budget bought (and, under model.size auto, the shape chosen and why)."""
     line = f"plan: {plan.max_steps} steps ({plan.max_steps * plan.tokens_per_step:,} tokens)"
@@ -157,6 +166,7 @@ def train_and_record(params: Params, trainer: Trainer, resumed: int | None, pare
     run_id = load_run_id(checkpoints.directory) if resumed else None
     with start_or_resume_run(params.registry.experiment, Path("."), run_id) as run:
         save_run_id(checkpoints.directory, run.info.run_id)
+        trainer.log_metrics = metric_sinks(params, run.info.run_id)
         if not resumed:
             mlflow.log_params(flat_params(params))
             mlflow.log_params({**plan.mlflow_params(), **{f"plan.model.{k}": v for k, v in

@@ -34,6 +34,7 @@ def _load(params: Path, overrides: Optional[list[str]]) -> Params:
 
 def run_stage(name: str, params: Params) -> None:
     """Run one stage's `run(params)` from tasks/<name>.py; a stage failure exits non-zero with its message."""
+    log_stage_to_file(name, params)
     module = importlib.import_module(f"tasks.{name}")
     try:
         module.run(params)
@@ -213,15 +214,38 @@ def list_params() -> None:
     Console().print(table)
 
 
+OUR_LOGGERS = ("ultrathink", "tasks")
+
+
 def _log_to_stderr() -> None:
-    """Our own INFO lines (resume, precision choice) on stderr; other libraries keep their own settings."""
-    logger = logging.getLogger("ultrathink")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    """Our own INFO lines (resume, precision choice, the budget's plan) on stderr; other libraries keep their own
+    settings."""
+    for name in OUR_LOGGERS:
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
+
+
+def log_stage_to_file(stage: str, params: Params) -> Path:
+    """Our log lines at logging.level, on stderr and appended to paths.logs_dir/<stage>.log (time and process id on
+    each line, so the ranks of a torchrun stay apart). Returns the file."""
+    path = Path(params.paths.logs_dir) / f"{stage}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
+    handler.stage_log = True
+    for name in OUR_LOGGERS:
+        logger = logging.getLogger(name)
+        for old in [h for h in logger.handlers if getattr(h, "stage_log", False)]:  # an earlier stage's file
+            logger.removeHandler(old)
+            old.close()
         logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
+        logger.setLevel(params.logging.level)
+    return path
 
 
 def stage_entry(name: str) -> None:

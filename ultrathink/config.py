@@ -35,6 +35,8 @@ class PathsConfig(Section):
     model_dir: str = "artifacts/model"
     metrics: str = "reports/metrics.json"
     loss_curve: str = "reports/loss_curve.csv"
+    logs_dir: str = "reports/logs"  # one log file per stage (<stage>.log), appended to by every run
+    tensorboard_dir: str = "reports/tensorboard"  # train.tensorboard: one folder per MLflow run
     val_curve: str = "reports/val_curve.csv"
     samples: str = "reports/samples.json"
     promotion: str = "reports/promotion.json"
@@ -367,6 +369,9 @@ class TrainConfig(Section):
     init_optimizer: bool = Field(
         False, description="warm start from a checkpoint: also load its optimizer state (same optimizer and "
         "shapes); the learning-rate schedule is always this run's")
+    tensorboard: bool = Field(
+        False, description="also write every step's metrics (loss, lr, gradient norm, throughput, routing health) "
+        "as TensorBoard scalars, to paths.tensorboard_dir/<MLflow run id>")
     select: Literal["best", "last"] = Field(
         "best", description="which weights become paths.model_dir: best = the checkpoint with the lowest "
         "validation loss (validation runs every eval_every steps and at the last step), last = the final step's")
@@ -375,7 +380,7 @@ class TrainConfig(Section):
     # other values of these is still a valid point to resume from.
     BOOKKEEPING: ClassVar[frozenset[str]] = frozenset(
         {"eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints", "keep_configs", "log_every", "resume",
-         "threads", "max_bad_steps", "select", "init_from"})
+         "threads", "max_bad_steps", "select", "init_from", "tensorboard"})
 
     def fingerprint_params(self, model: "ModelConfig") -> str:
         """Hash of the knobs that determine the weights (bookkeeping excluded; `init_from` enters a fingerprint
@@ -440,6 +445,12 @@ class RegistryConfig(Section):
     experiment: str = Field("ultrathink", min_length=1)
 
 
+class LoggingConfig(Section):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="the least severe of our own log lines shown on stderr and written to the stage's log "
+        "file (paths.logs_dir/<stage>.log)")
+
+
 class Params(Section):
     paths: PathsConfig = PathsConfig()
     data: DataConfig = DataConfig()
@@ -451,6 +462,7 @@ class Params(Section):
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     registry: RegistryConfig = RegistryConfig()
+    logging: LoggingConfig = LoggingConfig()
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

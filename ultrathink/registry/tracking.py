@@ -208,3 +208,35 @@ class StepMetrics:
 
 
 MAX_METRICS_PER_BATCH = 1000  # MLflow's limit for one log_batch call
+
+
+class TensorBoardScalars:
+    """train.tensorboard: every step's metrics (routing health included) as TensorBoard scalars in `directory`
+    (`tensorboard --logdir paths.tensorboard_dir`: one folder per MLflow run)."""
+
+    def __init__(self, directory: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(directory))
+
+    def __call__(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+
+class MetricSinks:
+    """Several per-step metric sinks as one (the trainer calls one)."""
+
+    def __init__(self, *sinks):
+        self.sinks = sinks
+
+    def __call__(self, metrics: dict[str, float], step: int) -> None:
+        for sink in self.sinks:
+            sink(metrics, step)
+
+    def flush(self) -> None:
+        for sink in self.sinks:
+            sink.flush()
