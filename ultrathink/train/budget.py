@@ -1,7 +1,7 @@
 """`train.budget`: what a run may spend — wall-clock time, tokens or FLOPs — turned into a number of optimizer steps.
 
 A tokens or FLOPs budget divides exactly. A time budget is turned into steps once, at the start of a configuration's
-first run, from a short throughput probe: a few steps of a throwaway copy of the model (its own optimizer, the
+first run, from a short throughput probe: a few steps of a throwaway model of the same shape (its own optimizer, the
 generators restored afterwards, so the real run starts exactly as it would have), plus one validation pass. The
 result is a `Plan`, written next to the configuration's checkpoints and logged to MLflow; a resumed run reads it
 back instead of measuring again, so resume stays exact, and its `max_steps` reproduces the run as a plain step count.
@@ -9,7 +9,6 @@ back instead of measuring again, so resume stays exact, and its `max_steps` repr
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
@@ -29,11 +28,12 @@ log = logging.getLogger(__name__)
 PLAN_FILE = "plan.json"
 PROBE_WARMUP_STEPS = 2  # first steps pay kernel selection (and compilation): timed apart
 PROBE_STEPS = 5
+GUESS_UTILISATION = 0.3  # model.size auto's first guess at the share of the device's matmul peak a step reaches
 
 
 @dataclass
 class Probe:
-    """Measured on a throwaway copy of the model: seconds per optimizer step (median of PROBE_STEPS), the extra
+    """Measured on a throwaway model of the run's shape: seconds per optimizer step (median of PROBE_STEPS), the extra
     seconds of the first steps (kernel selection, compilation), one validation pass, one checkpoint written (to a
     temporary folder), and the probe's own time."""
     step_seconds: float
@@ -82,29 +82,6 @@ class Plan:
         return params
 
 
-def probe(trainer_cls, model, loader, val_tokens, cfg, device: str) -> Probe:
-    """Time PROBE_STEPS optimizer steps (after PROBE_WARMUP_STEPS) and one validation pass of a copy of `model`
-    in one process on `device`, with the run's settings. The global generators are restored afterwards and the
-    model, loader and optimizer of the real run are not touched."""
-    from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
-    from ultrathink.train.distributed import Distributed
-
-    started = time.perf_counter()
-    devices = [torch.device(device).index or 0] if device.startswith("cuda") else []
-    with torch.random.fork_rng(devices=devices), tempfile.TemporaryDirectory(prefix="ultrathink-probe-") as tmp:
-        checkpoints = CheckpointManager(tmp, Fingerprint("probe", "probe", "probe"), keep=1, keep_configs=1)
-        trainer = trainer_cls(copy.deepcopy(model), copy.deepcopy(loader), val_tokens,
-                              cfg.model_copy(update={"max_steps": 10**9, "warmup_steps": 1}), checkpoints,
-                              dist=Distributed(device=device))
-        first = [_timed(trainer.train_step, device) for _ in range(PROBE_WARMUP_STEPS)]
-        steps = [_timed(trainer.train_step, device) for _ in range(PROBE_STEPS)]
-        eval_seconds = _timed(trainer.validate, device)
-        save_seconds = _timed(trainer._save, device)
-    step = statistics.median(steps)
-    return Probe(step, max(0.0, sum(first) - PROBE_WARMUP_STEPS * step), eval_seconds, save_seconds,
-                 time.perf_counter() - started)
-
-
 def _timed(fn, device: str) -> float:
     started = time.perf_counter()
     fn()
@@ -138,21 +115,33 @@ def warmup_for(max_steps: int, cfg) -> int:
 
 
 def probe_shape(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, device: str) -> Probe:
-    """Probe a model of `model_cfg`'s shape, built here from its own seed (under the forked generators)."""
+    """Time PROBE_STEPS optimizer steps (after PROBE_WARMUP_STEPS), one validation pass and one checkpoint of a
+    throwaway model of `model_cfg`'s shape, trained in one process on `device` with the run's settings (eager when
+    train.compile is auto: that is decided from this). The global generators are restored afterwards; nothing of
+    the real run is touched."""
     from ultrathink.model import UltraThink
+    from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
+    from ultrathink.train.distributed import Distributed
     from ultrathink.train.loader import TokenWindows
     from ultrathink.train.trainer import Trainer
 
     started = time.perf_counter()
     devices = [torch.device(device).index or 0] if device.startswith("cuda") else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), tempfile.TemporaryDirectory(prefix="ultrathink-probe-") as tmp:
         torch.manual_seed(train_cfg.seed)
-        model = UltraThink(model_cfg, vocab_size)
-        loader = TokenWindows(train_tokens, model_cfg.seq_len, train_cfg.batch_size, train_cfg.seed)
-        eager = train_cfg.model_copy(update={"compile": train_cfg.compile is True})  # auto is decided from eager
-        measured = probe(Trainer, model, loader, val_tokens, eager, device)
-    measured.seconds = time.perf_counter() - started
-    return measured
+        cfg = train_cfg.model_copy(update={"max_steps": 10**9, "warmup_steps": 1,
+                                           "compile": train_cfg.compile is True})
+        trainer = Trainer(UltraThink(model_cfg, vocab_size),
+                          TokenWindows(train_tokens, model_cfg.seq_len, cfg.batch_size, cfg.seed), val_tokens, cfg,
+                          CheckpointManager(tmp, Fingerprint("probe", "probe", "probe"), keep=1, keep_configs=1),
+                          dist=Distributed(device=device))
+        first = [_timed(trainer.train_step, device) for _ in range(PROBE_WARMUP_STEPS)]
+        steps = [_timed(trainer.train_step, device) for _ in range(PROBE_STEPS)]
+        eval_seconds = _timed(trainer.validate, device)
+        save_seconds = _timed(trainer._save, device)
+    step = statistics.median(steps)
+    return Probe(step, max(0.0, sum(first) - PROBE_WARMUP_STEPS * step), eval_seconds, save_seconds,
+                 time.perf_counter() - started)
 
 
 def make_plan(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, device: str,
@@ -221,9 +210,6 @@ def compile_pays(train_cfg, model_cfg, max_steps: int, measured: Probe | None) -
             and max_steps * measured.step_seconds >= COMPILE_PAYS_AFTER_SECONDS)
 
 
-GUESS_UTILISATION = 0.3
-
-
 def _sized(model_cfg, train_cfg, sized):
     return (model_cfg.model_copy(update={**asdict(sized.shape), "size": "manual"}),
             train_cfg.model_copy(update={"batch_size": sized.batch_size}))
@@ -232,7 +218,8 @@ def _sized(model_cfg, train_cfg, sized):
 def apply_plan(plan: Plan, model_cfg, train_cfg):
     """The model and train configs a recorded plan resolved (a resumed run: no probe, the same steps)."""
     if plan.sizing:
-        model_cfg = model_cfg.model_copy(update={**plan.sizing["shape"], "size": "manual"})
-        train_cfg = train_cfg.model_copy(update={"batch_size": plan.sizing["batch_size"]})
+        from ultrathink.train.sizing import Sizing
+
+        model_cfg, train_cfg = _sized(model_cfg, train_cfg, Sizing.from_dict(plan.sizing))
     return model_cfg, train_cfg.model_copy(update={"max_steps": plan.max_steps, "warmup_steps": plan.warmup_steps,
                                                    "compile": plan.compile})

@@ -22,9 +22,15 @@ from ultrathink.train.optim import build_optimizers
 from ultrathink.train.precision import resolve_precision
 
 
+def autocast_dtype(precision: str, device: str = "cpu") -> torch.dtype | None:
+    """The dtype autocast runs in for train.precision on this device; None for fp32 (no autocast)."""
+    kind = device.split(":")[0]
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(resolve_precision(precision, kind))
+
+
 def autocast(precision: str, device: str = "cpu"):
     kind = device.split(":")[0]
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(resolve_precision(precision, kind))
+    dtype = autocast_dtype(precision, device)
     return torch.autocast(device_type=kind, dtype=dtype) if dtype else contextlib.nullcontext()
 
 

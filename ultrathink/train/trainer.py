@@ -19,10 +19,10 @@ from ultrathink.config import TrainConfig
 from ultrathink.errors import StageError
 from ultrathink.train.checkpoint import CheckpointManager
 from ultrathink.train.distributed import Distributed
-from ultrathink.train.engine import autocast, build_engine
+from ultrathink.train.engine import autocast, autocast_dtype, build_engine
 from ultrathink.train.loader import TokenWindows, eval_batches
 from ultrathink.model.kernels import AttentionKernel, choose_attention
-from ultrathink.train.precision import peak_flops, resolve_precision
+from ultrathink.train.precision import peak_flops
 from ultrathink.train.schedule import Scheduler
 
 log = logging.getLogger(__name__)
@@ -85,10 +85,9 @@ class Trainer:
         """train.attention for this run's shape: measured on the main rank (auto), the same on every rank."""
         if self.dist.is_main:
             m = model.cfg
-            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
-                resolve_precision(cfg.precision, self.dist.kind))
             kernel, _ = choose_attention(cfg.attention, cfg.batch_size, m.n_heads, m.n_kv_heads, m.seq_len,
-                                         m.head_dim, m.dropout, self.dist.device, dtype)
+                                         m.head_dim, m.dropout, self.dist.device,
+                                         autocast_dtype(cfg.precision, self.dist.device))
         kernel = AttentionKernel(**self.dist.share(kernel.to_dict() if self.dist.is_main else None))
         model.use_attention(kernel)
         return kernel
