@@ -75,7 +75,8 @@ def train_baseline(tmp: Path) -> Path:
     """A project after one full `dvc repro`, committed: every stage ran, v1 is champion."""
     project = make_project(tmp)
     first = sh(["dvc", "repro"], project)
-    assert ran_stages(first.stdout) == ["validate", "tokenizer", "prepare", "train", "evaluate", "promote"]
+    assert ran_stages(first.stdout) == ["validate", "tokenizer", "prepare", "train", "evaluate", "promote", "finetune",
+                                       "promote_finetuned"]
     sh(["git", "add", "-A"], project)
     sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline run"], project)
     return project

@@ -44,7 +44,7 @@ def test_worse_moe_model_reruns_only_downstream_and_keeps_champion(repro_project
     set_params(repro_project, {"model": {"d_model": 16, "moe": {"enabled": True, "every": 1}},
                                "train": {"max_steps": 2, "warmup_steps": 1}})
     done = sh(["dvc", "repro"], repro_project)
-    assert ran_stages(done.stdout) == ["train", "evaluate", "promote"]
+    assert ran_stages(done.stdout) == ["train", "evaluate", "promote", "finetune"]
     assert "moe=[entropy=" in done.stdout + done.stderr
     decision = json.loads((repro_project / "reports/promotion.json").read_text())
     assert decision["version"] == 2 and not decision["promoted"]
@@ -61,7 +61,7 @@ def test_dvc_experiment_turns_on_the_reasoning_engine(repro_project):
     knobs = ["train.lr=0.02", "train.max_steps=3", "model.moe.enabled=false", "model.dre.enabled=true",
              "model.dre.every=1", "model.dre.warmup_steps=1"]
     done = sh(["dvc", "exp", "run", *[arg for knob in knobs for arg in ("-S", knob)]], repro_project)
-    assert ran_stages(done.stdout) == ["train", "evaluate", "promote"]
+    assert ran_stages(done.stdout) == ["train", "evaluate", "promote", "finetune"]
     assert "dre=[path=standard,kept=" in done.stdout + done.stderr
     assert yaml.safe_load((repro_project / "params.yaml").read_text())["train"]["lr"] == 0.02
     assert len(sh(["dvc", "exp", "list", "--name-only"], repro_project).stdout.split()) == 1
@@ -99,10 +99,10 @@ def test_prefect_flow_trains_a_jsonl_folder_then_skips(tmp_path):
     set_params(project, {"data": {"source": "data/raw/shard-*.jsonl", "text_column": "body", "max_samples": None}})
     first = sh([sys.executable, "-m", "flows.pipeline"], project)
     log = first.stdout + first.stderr
-    assert log.count("ran in") == 6, log[-3000:]
+    assert log.count("ran in") == 8, log[-3000:]
     assert "up to date" in sh(["dvc", "status"], project).stdout
     second = sh([sys.executable, "-m", "flows.pipeline"], project)
-    assert (second.stdout + second.stderr).count("up to date, skipped") == 6
+    assert (second.stdout + second.stderr).count("up to date, skipped") == 8
     assert client_for(project).get_model_version_by_alias("ultrathink", "champion").version == 1
 
 

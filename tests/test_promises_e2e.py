@@ -51,7 +51,7 @@ def test_a_code_change_retrains_and_never_publishes_the_old_weights(project):
     assert edited != source, "the rotary line to edit was not found"
     model_py.write_text(edited)
     done = sh(["dvc", "repro"], project)
-    assert ran_stages(done.stdout) == ["train", "evaluate", "promote"]
+    assert ran_stages(done.stdout) == ["train", "evaluate", "promote", "finetune"]
     log = done.stdout + done.stderr
     assert "not resuming from" in log and "made with other code" in log
     summary = json.loads((project / "artifacts/model/train_summary.json").read_text())
@@ -111,7 +111,7 @@ def test_warm_start_from_the_champion_beats_a_cold_start_at_equal_steps(project)
     cold = metrics(project)["val_loss"]  # the baseline: 12 steps from a random init
     champion = client_for(project).get_model_version_by_alias("ultrathink", "champion")
     done = sh(["dvc", "exp", "run", "-S", "train.init_from=models:/ultrathink@champion"], project)
-    assert ran_stages(done.stdout) == ["train", "evaluate", "promote"]
+    assert ran_stages(done.stdout) == ["train", "evaluate", "promote", "finetune"]
     assert "warm start from models:/ultrathink@champion" in done.stderr
     warm = metrics(project)["val_loss"]
     assert warm < cold - 0.05, (warm, cold)

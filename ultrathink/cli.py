@@ -86,47 +86,110 @@ def eval_text(model: str = typer.Option(..., "--model", "-m", help="model dir (a
           f"  ({score.tokens:,} tokens, {score.bytes:,} bytes, {score.documents:,} documents)")
 
 
-@app.command()
-def generate(model: str = typer.Option(..., "--model", "-m", help="model dir (artifacts/model) or MLflow URI "
-                                       "(models:/ultrathink@champion)"),
-             prompt: str = typer.Option(..., "--prompt", help="text to continue (cropped to its last tokens when "
-                                        "longer than the context)"),
-             max_new_tokens: Optional[int] = typer.Option(None, help="default: evaluate.max_new_tokens"),
-             temperature: Optional[float] = typer.Option(None, help="0 is greedy; default: evaluate.temperature"),
-             top_k: Optional[int] = typer.Option(None, help="default: evaluate.top_k"),
-             top_p: Optional[float] = typer.Option(None, help="default: evaluate.top_p"),
-             seed: Optional[int] = typer.Option(None, help="default: evaluate.seed"),
-             params: Path = PARAMS_OPT, set_: Optional[list[str]] = SET_OPT) -> None:
-    """Continue a prompt with a model, printing the text as the tokens come. Unset flags take the evaluate.*
-    params, so `generate` samples as the evaluate stage and the registered model do."""
+MODEL_REF_OPT = typer.Option(..., "--model", "-m", help="model dir (artifacts/model, artifacts/finetuned) or MLflow "
+                             "URI (models:/ultrathink@champion)")
+MAX_NEW_OPT = typer.Option(None, help="default: evaluate.max_new_tokens")
+TEMPERATURE_OPT = typer.Option(None, help="0 is greedy; default: evaluate.temperature")
+TOP_K_OPT = typer.Option(None, help="default: evaluate.top_k")
+TOP_P_OPT = typer.Option(None, help="default: evaluate.top_p")
+SEED_OPT = typer.Option(None, help="default: evaluate.seed")
+
+
+def _sampling(params: Path, set_: Optional[list[str]], flags: dict):
+    """evaluate.* with the flags that were given over it, checked by the schema (a bad value exits 2)."""
     from pydantic import ValidationError
 
     from ultrathink.config import EvaluateConfig
-    from ultrathink.model import UltraThink
-    from ultrathink.model.generate import stream_text
-    from ultrathink.text_eval import resolve_model
-    from ultrathink.tokenizer import load_tokenizer
 
     settings = _load(params, set_) if params.exists() or set_ else Params()
-    flags = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
-             "seed": seed}
     try:
-        cfg = EvaluateConfig.model_validate({**settings.evaluate.model_dump(),
-                                             **{k: v for k, v in flags.items() if v is not None}})
+        return EvaluateConfig.model_validate({**settings.evaluate.model_dump(),
+                                              **{k: v for k, v in flags.items() if v is not None}})
     except ValidationError as exc:
         problems = "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" for e in exc.errors())
         err.print(f"[bold red]error:[/] {problems}", highlight=False)
         raise typer.Exit(2) from None
+
+
+def _load_model(ref: str, command: str):
+    """(model, tokenizer) named by a directory or an MLflow URI; a missing model exits 1 saying what was looked for."""
+    from ultrathink.model import UltraThink
+    from ultrathink.text_eval import resolve_model
+    from ultrathink.tokenizer import load_tokenizer
+
     try:
-        model_dir, tokenizer_dir = resolve_model(model)
+        model_dir, tokenizer_dir = resolve_model(ref)
     except StageError as exc:
-        err.print(f"[bold red]generate failed:[/] {exc}", highlight=False)
+        err.print(f"[bold red]{command} failed:[/] {exc}", highlight=False)
         raise typer.Exit(1) from None
-    loaded, tokenizer = UltraThink.from_pretrained(model_dir), load_tokenizer(tokenizer_dir)
+    return UltraThink.from_pretrained(model_dir), load_tokenizer(tokenizer_dir)
+
+
+@app.command()
+def generate(model: str = MODEL_REF_OPT,
+             prompt: str = typer.Option(..., "--prompt", help="text to continue (cropped to its last tokens when "
+                                        "longer than the context)"),
+             max_new_tokens: Optional[int] = MAX_NEW_OPT, temperature: Optional[float] = TEMPERATURE_OPT,
+             top_k: Optional[int] = TOP_K_OPT, top_p: Optional[float] = TOP_P_OPT, seed: Optional[int] = SEED_OPT,
+             params: Path = PARAMS_OPT, set_: Optional[list[str]] = SET_OPT) -> None:
+    """Continue a prompt with a model, printing the text as the tokens come. Unset flags take the evaluate.*
+    params, so `generate` samples as the evaluate stage and the registered model do."""
+    from ultrathink.model.generate import stream_text
+
+    cfg = _sampling(params, set_, {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
+                                   "top_p": top_p, "seed": seed})
+    loaded, tokenizer = _load_model(model, "generate")
     for piece in stream_text(loaded, tokenizer, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed,
                              cfg.top_p):
         print(piece, end="", flush=True)
     print()
+
+
+@app.command()
+def chat(model: str = MODEL_REF_OPT,
+         message: Optional[str] = typer.Option(None, "--message", help="answer this one message and exit (default: "
+                                               "read messages from the terminal, one per line)"),
+         max_new_tokens: Optional[int] = MAX_NEW_OPT, temperature: Optional[float] = TEMPERATURE_OPT,
+         top_k: Optional[int] = TOP_K_OPT, top_p: Optional[float] = TOP_P_OPT, seed: Optional[int] = SEED_OPT,
+         params: Path = PARAMS_OPT, set_: Optional[list[str]] = SET_OPT) -> None:
+    """Talk to a fine-tuned model: each line is a user message, the answer streams back, and the conversation so
+    far is the context (cropped to its last tokens when longer). `/reset` starts over; an empty line or end of
+    input ends. The chat template comes from the model's tokenizer (stage finetune)."""
+    from ultrathink.finetune.chat import NOT_A_CHAT_MODEL, assistant, is_chat_tokenizer, stream_reply, user
+
+    cfg = _sampling(params, set_, {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
+                                   "top_p": top_p, "seed": seed})
+    loaded, tokenizer = _load_model(model, "chat")
+    if not is_chat_tokenizer(tokenizer):
+        err.print(f"[bold red]chat failed:[/] {model}: {NOT_A_CHAT_MODEL}", highlight=False)
+        raise typer.Exit(1)
+    history: list[dict] = []
+    lines = [message] if message is not None else _typed_lines()
+    for line in lines:
+        if line.strip() == "/reset":
+            history = []
+            continue
+        history.append(user(line))
+        answer = ""
+        for piece in stream_reply(loaded, tokenizer, history, cfg.max_new_tokens, cfg.temperature, cfg.top_k,
+                                  cfg.seed, cfg.top_p):
+            print(piece, end="", flush=True)
+            answer += piece
+        print()
+        history.append(assistant(answer))
+
+
+def _typed_lines():
+    """Lines from the terminal (with a prompt) or a pipe, until an empty line or end of input."""
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("you> " if interactive else "")
+        except EOFError:
+            return
+        if not line.strip():
+            return
+        yield line
 
 
 registry_app = typer.Typer(no_args_is_help=True, help="The registered models: list, promote, roll back.")

@@ -40,6 +40,10 @@ class PathsConfig(Section):
     val_curve: str = "reports/val_curve.csv"
     samples: str = "reports/samples.json"
     promotion: str = "reports/promotion.json"
+    finetuned_dir: str = "artifacts/finetuned"  # model/ (LoRA merged), tokenizer/ (with the chat template), held-out pairs
+    finetune_checkpoint_dir: str = "artifacts/finetune_checkpoints"
+    finetune_report: str = "reports/finetune.json"  # the pairs' gate, response-only loss before/after, sample answers
+    finetune_promotion: str = "reports/finetune_promotion.json"
 
 
 class MixtureSource(Section):
@@ -437,11 +441,70 @@ class EvaluateConfig(Section):
     seed: int = 0
 
 
+class LoraSettings(Section):
+    """Low-rank adapters (PEFT's LoRA) on the named linear layers; merged into the weights for export."""
+
+    r: int = Field(8, ge=1, description="rank of each adapter")
+    alpha: float = Field(16.0, gt=0, description="scale: the adapter's update is multiplied by alpha / r")
+    dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the adapter's input while training")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1, description="linear layers that get an adapter, by name (attention: q_proj k_proj v_proj "
+        "o_proj; MLP and experts: gate_proj up_proj down_proj)")
+
+
+class FinetuneConfig(Section):
+    """Supervised fine-tuning on prompt/response pairs, after pretraining (stages finetune and promote_finetuned)."""
+
+    enabled: bool = Field(False, description="run the finetune and promote_finetuned stages (off: they record "
+                          "that they are off and do nothing)")
+    init_from: str = Field(
+        "champion", min_length=1, description="the pretrained model: champion (registry.model_name's champion, "
+        "pinned to its version when the stage runs), an MLflow model URI, or a model dir (artifacts/model)")
+    data: str = Field(
+        "embedded", min_length=1, description="embedded (question/answer pairs from the Python language reference "
+        "that pretraining reads) or a .jsonl file of pairs, relative to the project root (data/finetune/ is a "
+        "dependency of the stage)")
+    prompt_field: str = Field("prompt", min_length=1, description="field of a JSONL row holding the prompt")
+    response_field: str = Field("response", min_length=1, description="field of a JSONL row holding the answer")
+    messages_field: str = Field(
+        "messages", min_length=1, description="field holding a chat instead: a list of {role, content} with roles "
+        "system, user, assistant, ending with an assistant message (every assistant turn is trained)")
+    val_fraction: float = Field(0.1, gt=0, lt=1, description="share of pairs held out (by a hash of the prompt) "
+                                "for the response-only loss and promotion")
+    min_pairs: int = Field(20, ge=2, description="fewest pairs the data may have")
+    max_prompt_chars: int = Field(2000, ge=1, description="longest prompt (all turns before the last answer)")
+    max_response_chars: int = Field(2000, ge=1, description="longest answer")
+    method: Literal["lora", "full"] = Field("lora", description="lora: train adapters only (PEFT); full: every weight")
+    lora: LoraSettings = LoraSettings()
+    max_steps: int = Field(150, ge=1, description="optimizer steps")
+    batch_size: int = Field(16, ge=1, description="pairs per step (each padded to model.seq_len)")
+    lr: float = Field(2e-3, gt=0, le=1, description="peak learning rate")
+    warmup_steps: int = Field(10, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = Field("cosine")
+    eval_every: int = Field(50, ge=1, description="steps between validation passes on the held-out pairs")
+    seed: int = Field(0, description="seed of the pair order, the adapters' init and dropout")
+    samples: int = Field(3, ge=0, description="held-out prompts answered (greedy) by the model before and after, "
+                         "in the report")
+
+    # Knobs that change what is recorded, not the weights trained.
+    BOOKKEEPING: ClassVar[frozenset[str]] = frozenset({"enabled", "init_from", "eval_every", "samples"})
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "FinetuneConfig":
+        if self.warmup_steps > self.max_steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must not exceed max_steps ({self.max_steps})")
+        return self
+
+
 class RegistryConfig(Section):
     """Champion decisions compare bits per byte on one text (the challenger's validation text, each model under its
     own tokenizer): the only measure that stays comparable across tokenizers and data."""
 
     model_name: str = Field("ultrathink", min_length=1, description="registered model name in MLflow")
+    finetuned_name: str = Field("ultrathink-chat", min_length=1, description="registered name of the fine-tuned "
+                                "models (their champion is judged on held-out pairs, response tokens only)")
     experiment: str = Field("ultrathink", min_length=1)
 
 
@@ -461,6 +524,7 @@ class Params(Section):
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
+    finetune: FinetuneConfig = FinetuneConfig()
     registry: RegistryConfig = RegistryConfig()
     logging: LoggingConfig = LoggingConfig()
 
@@ -487,6 +551,13 @@ class Params(Section):
         if self.model.size == "auto" and self.train.budget is None:
             raise ValueError("model.size auto sizes the model for a budget: set train.budget (e.g. 2min, 2e7tokens, "
                              "1e15flops)")
+        return self
+
+    @model_validator(mode="after")
+    def _finetuned_name_differs(self) -> "Params":
+        if self.registry.finetuned_name == self.registry.model_name:
+            raise ValueError("registry.finetuned_name must differ from registry.model_name: fine-tuned models are "
+                             "judged on other text (held-out pairs) than pretrained ones")
         return self
 
     @property

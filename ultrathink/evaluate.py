@@ -13,13 +13,16 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
 from ultrathink.config import EvaluateConfig
 from ultrathink.model import UltraThink
 from ultrathink.model.generate import generate_text
-from ultrathink.scoring import TextScore, bits_per_byte, encode_documents, score_documents, score_stream  # noqa: F401
+from ultrathink.scoring import (TextScore, answer_bytes, bits_per_byte, encode_documents, score_documents,  # noqa: F401
+                                score_stream)
+from ultrathink.text_eval import ModelFiles, score_model
 
 
 @dataclass(frozen=True)
@@ -27,9 +30,14 @@ class Yardstick:
     """A text that models are compared on: its documents, and the sha256 and size that name it in a record."""
 
     documents: tuple[str, ...]
+    metric: ClassVar[str] = "val_bpb"
 
     def jsonl(self) -> str:
         return "".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in self.documents)
+
+    def score(self, files: ModelFiles) -> float:
+        """Bits per byte of the text under a model (under its own code when it is a registered one)."""
+        return score_model(files, self.documents).bits_per_byte
 
     @property
     def sha256(self) -> str:
@@ -41,6 +49,33 @@ class Yardstick:
 
     def describe(self) -> dict:
         return {"sha256": self.sha256, "bytes": self.bytes, "documents": len(self.documents)}
+
+
+@dataclass(frozen=True)
+class ChatYardstick(Yardstick):
+    """Held-out chats that fine-tuned models are compared on: bits per byte of the answers only (each model under
+    its own chat tokenizer). `documents` are the chats' messages lists."""
+
+    documents: tuple[tuple[dict, ...], ...]
+    metric: ClassVar[str] = "heldout_response_bpb"
+
+    def jsonl(self) -> str:
+        return "".join(json.dumps({"messages": list(c)}, ensure_ascii=False) + "\n" for c in self.documents)
+
+    def score(self, files: ModelFiles) -> float:
+        return score_model(files, self.documents, chats=True).bits_per_byte
+
+    @property
+    def bytes(self) -> int:
+        return answer_bytes(self.documents)
+
+
+def read_yardstick(jsonl: str) -> Yardstick:
+    """A yardstick from its JSON lines (as logged with a registered version): texts, or chats."""
+    rows = [json.loads(line) for line in jsonl.splitlines() if line.strip()]
+    if rows and "messages" in rows[0]:
+        return ChatYardstick(tuple(tuple(r["messages"]) for r in rows))
+    return Yardstick(tuple(r["text"] for r in rows))
 
 
 def unigram_cross_entropy(train_tokens: np.ndarray, val_tokens: np.ndarray, vocab_size: int) -> float:

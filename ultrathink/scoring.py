@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+IGNORE = -100  # a target the loss skips (torch's cross_entropy default ignore_index)
+
 
 @dataclass
 class TextScore:
@@ -56,8 +58,9 @@ def mean_loss(model, batches, context=nullcontext) -> tuple[float, int]:
     for x, y in batches:
         with context():
             loss = model(x, y)[1]
-        total += loss.item() * y.numel()
-        count += y.numel()
+        scored = int((y != IGNORE).sum())  # masked targets (a chat's prompt tokens, padding) are not predictions
+        total += loss.item() * scored
+        count += scored
     model.train(was_training)
     return total / max(count, 1), count
 
@@ -90,3 +93,77 @@ def score_documents(model, tokenizer, documents, batch_size: int = 8) -> TextSco
     """Loss and bits per byte of `documents` under `model` and its own tokenizer."""
     stream = encode_documents(tokenizer, documents)
     return score_stream(model, stream, sum(len(d.encode("utf-8")) for d in documents), len(documents), batch_size)
+
+
+# ---- chats: the loss on the answers only -------------------------------------------------------------------------
+def render_chat(tokenizer, messages, add_generation_prompt: bool = False) -> list[int]:
+    """A chat's token ids under the tokenizer's own chat template (the one `AutoTokenizer.apply_chat_template`
+    uses), with every turn-closing EOS as the EOS id."""
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def encode_conversation(tokenizer, messages) -> tuple[list[int], list[bool]]:
+    """(ids, answer): the chat's ids and, per id, whether it belongs to an assistant turn (its text and the EOS that
+    closes it): the tokens the loss is taken on. An assistant turn's ids are those that rendering the chat up to
+    and including it adds to rendering the chat before it with the generation prompt (the assistant's header)."""
+    ids = render_chat(tokenizer, messages)
+    answer = [False] * len(ids)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = len(render_chat(tokenizer, messages[:i], add_generation_prompt=True))
+        through = render_chat(tokenizer, messages[: i + 1])
+        if ids[: len(through)] != through or through[-1] != tokenizer.eos_token_id or start >= len(through):
+            raise ValueError("the tokenizer's chat template does not close each turn with the EOS token, or its "
+                             "special tokens are split as text (a chat tokenizer: ultrathink.finetune.chat)")
+        answer[start : len(through)] = [True] * (len(through) - start)
+    return ids, answer
+
+
+def fit_window(ids: list[int], answer: list[bool], window: int) -> tuple[list[int], list[bool]]:
+    """At most `window` ids of a chat: when too long, the prompt loses its first tokens (as generation crops a
+    prompt) so that the last answer fits; an answer too long even then keeps half the window of what precedes it
+    and loses its end."""
+    if len(ids) <= window:
+        return ids, answer
+    last = len(answer) - answer[::-1].index(False) if True in answer else len(ids)  # where the last answer starts
+    start = max(0, min(len(ids) - window, last - window // 2))
+    return ids[start : start + window], answer[start : start + window]
+
+
+def chat_rows(tokenizer, conversations, window: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(x, y, answer bytes): x and y of shape (N, window - 1), each chat fitted to the window and padded, y IGNORE
+    except on answer tokens; and the UTF-8 bytes of the answer text those targets spell (a cropped answer counts
+    only what was kept)."""
+    xs, ys, n_bytes = [], [], 0
+    for messages in conversations:
+        ids, answer = fit_window(*encode_conversation(tokenizer, messages), window)
+        pad = window - len(ids)
+        targets = [t if keep else IGNORE for t, keep in zip(ids[1:], answer[1:])]
+        xs.append(ids[:-1] + [pad_id] * pad)
+        ys.append(targets + [IGNORE] * pad)
+        spelled = [t for t in targets if t not in (IGNORE, tokenizer.eos_token_id)]
+        n_bytes += len(tokenizer.decode(spelled).encode("utf-8"))
+    return torch.tensor(xs, dtype=torch.long), torch.tensor(ys, dtype=torch.long), n_bytes
+
+
+def answer_bytes(conversations) -> int:
+    """UTF-8 bytes of the chats' assistant messages."""
+    return sum(len(m["content"].encode("utf-8")) for c in conversations for m in c if m["role"] == "assistant")
+
+
+def score_conversations(model, tokenizer, conversations, batch_size: int = 8, context=nullcontext) -> TextScore:
+    """Loss on the answer tokens only (each assistant turn and its closing EOS) of chats under `model` and its own
+    chat tokenizer, fitted to its context (fit_window), and bits per byte of the answer text scored; `documents`
+    counts the chats."""
+    conversations = list(conversations)
+    if not conversations:
+        raise ValueError("no chats: there is nothing to score")
+    device = next(model.parameters()).device
+    x, y, n_bytes = chat_rows(tokenizer, conversations, model.cfg.seq_len + 1, tokenizer.pad_token_id)
+    batches = ((x[i : i + batch_size].to(device), y[i : i + batch_size].to(device))
+               for i in range(0, len(x), batch_size))
+    loss, predicted = mean_loss(model, batches, context)
+    return TextScore(loss=loss, bits_per_byte=bits_per_byte(loss, predicted, n_bytes), perplexity=math.exp(loss),
+                     tokens=predicted, bytes=n_bytes, documents=len(conversations))

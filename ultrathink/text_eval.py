@@ -91,7 +91,7 @@ def _from_mlflow(uri: str, root: Path) -> ModelFiles:
 
 _SNAPSHOT_SCORER = """
 import importlib.util, json, sys
-code_dir, scoring_file, model_dir, tokenizer_dir, documents_file = sys.argv[1:6]
+code_dir, scoring_file, model_dir, tokenizer_dir, documents_file, function = sys.argv[1:7]
 sys.path.insert(0, code_dir)
 from ultrathink.model import UltraThink  # the model's own code
 assert UltraThink.__module__.startswith("ultrathink.") and sys.modules["ultrathink"].__file__.startswith(code_dir)
@@ -101,22 +101,25 @@ spec.loader.exec_module(scoring)
 from transformers import AutoTokenizer
 tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
 with open(documents_file, encoding="utf-8") as f:
-    documents = [json.loads(line)["text"] for line in f if line.strip()]
-print(json.dumps(scoring.score_documents(UltraThink.from_pretrained(model_dir), tokenizer, documents).to_dict()))
+    documents = [json.loads(line)["item"] for line in f if line.strip()]
+score = getattr(scoring, function)(UltraThink.from_pretrained(model_dir), tokenizer, documents)
+print(json.dumps(score.to_dict()))
 """
 
 
-def score_model(files: ModelFiles, documents) -> TextScore:
+def score_model(files: ModelFiles, documents, chats: bool = False) -> TextScore:
     """Bits per byte of `documents` under a model and its own tokenizer, and under its own code when it has a
-    snapshot (a registered model), else under this process's code (a model dir of this project)."""
+    snapshot (a registered model), else under this process's code (a model dir of this project). `chats`: the
+    documents are chats (messages lists), scored on their answers only (scoring.score_conversations)."""
+    function = "score_conversations" if chats else "score_documents"
     if files.code_dir is None:
-        return scoring.score_documents(UltraThink.from_pretrained(files.model_dir),
-                                       load_tokenizer(files.tokenizer_dir), documents)
+        return getattr(scoring, function)(UltraThink.from_pretrained(files.model_dir),
+                                          load_tokenizer(files.tokenizer_dir), documents)
     with tempfile.TemporaryDirectory(prefix="ultrathink-score-") as tmp:
         documents_file = Path(tmp) / "documents.jsonl"
-        documents_file.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents), encoding="utf-8")
+        documents_file.write_text("".join(json.dumps({"item": d}) + "\n" for d in documents), encoding="utf-8")
         args = [sys.executable, "-c", _SNAPSHOT_SCORER, str(files.code_dir.resolve()), scoring.__file__,
-                str(files.model_dir.resolve()), str(files.tokenizer_dir.resolve()), str(documents_file)]
+                str(files.model_dir.resolve()), str(files.tokenizer_dir.resolve()), str(documents_file), function]
         # Run from the temp dir so the project's own `ultrathink/` (the cwd) cannot shadow the snapshot.
         done = subprocess.run(args, cwd=tmp, capture_output=True, text=True)
     if done.returncode:

@@ -15,7 +15,7 @@ import great_expectations.expectations as gxe
 import pandas as pd
 from great_expectations.data_context.types.base import ProgressBarsConfig
 
-from ultrathink.config import ValidateConfig
+from ultrathink.config import FinetuneConfig, ValidateConfig
 from ultrathink.data.cleaning import printable_ratio
 from ultrathink.data.constitution import Principle
 from ultrathink.errors import StageError
@@ -92,6 +92,50 @@ def validate_cleaned(df: pd.DataFrame, principles: list[Principle], min_rows: in
     run = _run_suite(frame, expectations)
     results = [_result(r, frame[TEXT], messages) for r in run.results]
     return ValidationReport(success=bool(run.success), n_rows=len(frame), results=results, title="Cleaned corpus")
+
+
+def validate_pairs(pairs: pd.DataFrame, cfg: FinetuneConfig) -> ValidationReport:
+    """The fine-tuning data's own suite: every row a well-formed pair, prompt and response present, answers not
+    blank, both within their length bounds, and enough pairs. `pairs` comes from ultrathink.finetune.pairs."""
+    def text(value):
+        return value if isinstance(value, str) else None  # missing fields come back from pandas as NaN
+
+    rows = [(text(problem), text(prompt), text(response)) for problem, prompt, response
+            in zip(pairs["problem"], pairs["prompt"], pairs["response"])]
+    # A malformed row fails "well-formed rows" only (its prompt and response are not counted again).
+    frame = pd.DataFrame({
+        "well_formed": [problem is None for problem, _, _ in rows],
+        "prompt": ["x" if problem else prompt for problem, prompt, _ in rows],
+        "response": ["x" if problem else response for problem, _, response in rows],
+    }, dtype=object)
+    frame["response_chars"] = frame["response"].map(lambda r: len(r.strip()), na_action="ignore").astype(float)
+    where = [f"line {line}: " if isinstance(line, int) else "" for line in pairs.get("line", [None] * len(rows))]
+    shown = pd.Series([w + (problem or f"{prompt!r} → {response!r}") for w, (problem, prompt, response)
+                       in zip(where, rows)], dtype=object)
+    bounds = {"prompt length": ("prompt", cfg.max_prompt_chars), "response length": ("response", cfg.max_response_chars)}
+    expectations = [
+        gxe.ExpectColumnValuesToBeInSet(column="well_formed", value_set=[True], meta={"name": "well-formed rows"}),
+        gxe.ExpectColumnValuesToNotBeNull(column="prompt", meta={"name": "prompt present"}),
+        gxe.ExpectColumnValuesToNotBeNull(column="response", meta={"name": "response present"}),
+        gxe.ExpectColumnValuesToBeBetween(column="response_chars", min_value=1, meta={"name": "response not empty"}),
+        # An empty answer fails "response not empty" only.
+        *[gxe.ExpectColumnValueLengthsToBeBetween(column=column, min_value=int(column == "prompt"), max_value=limit,
+                                                  meta={"name": name}) for name, (column, limit) in bounds.items()],
+        gxe.ExpectTableRowCountToBeBetween(min_value=cfg.min_pairs, meta={"name": "row count"}),
+    ]
+    messages = {
+        "well-formed rows": "{count} of {checked} rows are not a prompt/response pair or a chat ending with an "
+        "assistant message",
+        "prompt present": f"{{count}} of {{checked}} rows have no {cfg.prompt_field!r} (finetune.prompt_field)",
+        "response present": f"{{count}} of {{checked}} rows have no {cfg.response_field!r} (finetune.response_field)",
+        "response not empty": "{count} of {checked} responses are empty or blank",
+        **{name: f"{{count}} of {{checked}} {column}s are longer than {limit} characters or empty "
+           f"(finetune.max_{column}_chars)" for name, (column, limit) in bounds.items()},
+        "row count": f"{{observed}} pairs; at least {cfg.min_pairs} are needed (finetune.min_pairs)",
+    }
+    run = _run_suite(frame, expectations)
+    results = [_result(r, shown, messages) for r in run.results]
+    return ValidationReport(success=bool(run.success), n_rows=len(frame), results=results, title="Fine-tuning pairs")
 
 
 def _violation(name: str) -> str:

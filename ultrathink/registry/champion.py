@@ -1,7 +1,8 @@
 """Who is champion, and every move of the alias: guarded by one yardstick, serialised, recorded, reversible.
 
 - One yardstick: two versions are compared only by their bits per byte on the same text (a version's validation
-  text, logged with it as `yardstick/yardstick.jsonl`), each under its own tokenizer (ultrathink.evaluate).
+  text, logged with it as `yardstick/yardstick.jsonl`), each under its own tokenizer (ultrathink.evaluate); for
+  fine-tuned models the text is held-out chats, scored on the answers only.
 - Compare-and-set: a decision and the alias move it leads to happen under one lock (a file beside the SQLite store,
   so every process on this machine that promotes into that store takes turns), and the champion is re-read right
   before the move; if it changed meanwhile, the decision is taken again against the new champion.
@@ -12,7 +13,6 @@
 from __future__ import annotations
 
 import getpass
-import json
 import logging
 import math
 import socket
@@ -28,7 +28,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from ultrathink.errors import StageError
-from ultrathink.evaluate import Yardstick
+from ultrathink.evaluate import Yardstick, read_yardstick
 from ultrathink.registry.tracking import BAD_VALUE, NOT_FOUND, sqlite_path
 
 log = logging.getLogger(__name__)
@@ -90,9 +90,9 @@ def current_champion(client: MlflowClient, name: str) -> ModelVersion | None:
 
 def score_version(name: str, version: int, yardstick: Yardstick) -> float:
     """Bits per byte of a registered version on `yardstick`, under the version's own tokenizer and own code."""
-    from ultrathink.text_eval import resolve_model_files, score_model
+    from ultrathink.text_eval import resolve_model_files
 
-    return score_model(resolve_model_files(f"models:/{name}/{version}"), yardstick.documents).bits_per_byte
+    return yardstick.score(resolve_model_files(f"models:/{name}/{version}"))
 
 
 def version_yardstick(version: ModelVersion) -> Yardstick:
@@ -102,8 +102,7 @@ def version_yardstick(version: ModelVersion) -> Yardstick:
     except (MlflowException, OSError) as exc:
         raise RegistryError(f"version {version.version} has no yardstick text ({YARDSTICK_ARTIFACT} in run "
                             f"{version.run_id}): {exc}") from None
-    lines = Path(local).read_text(encoding="utf-8").splitlines()
-    return Yardstick(tuple(json.loads(line)["text"] for line in lines if line.strip()))
+    return read_yardstick(Path(local).read_text(encoding="utf-8"))
 
 
 def judge(version: int, bpb: float, champion: ModelVersion | None, score: Callable[[int], float]) -> Decision:

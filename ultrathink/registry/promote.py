@@ -22,14 +22,13 @@ from packaging.version import Version
 
 import ultrathink
 from ultrathink.config import EvaluateConfig, RegistryConfig
-from ultrathink.evaluate import Yardstick, score_documents
+from ultrathink.evaluate import Yardstick
 from ultrathink.io import atomic_write_json
-from ultrathink.model import UltraThink
 from ultrathink.model.export import ExportError, export_hf
 from ultrathink.model.model import WEIGHTS_FILE
 from ultrathink.registry.champion import CHALLENGER, CHAMPION, YARDSTICK_ARTIFACT, actor, decide_and_move
 from ultrathink.registry.tracking import start_or_resume_run
-from ultrathink.tokenizer import load_tokenizer
+from ultrathink.text_eval import ModelFiles
 from ultrathink.train.checkpoint import sha256
 PACKAGE_DIR = Path(ultrathink.__file__).parent
 # Passed to MLflow by path, never imported here: importing it would call set_model and load torch for nothing.
@@ -122,23 +121,22 @@ def registered_version(client: MlflowClient, name: str, run_id: str, model_sha25
 
 def promote(model_dir: Path, tokenizer_dir: Path, yardstick: Yardstick, cfg: RegistryConfig,
             eval_cfg: EvaluateConfig, tags: dict[str, str], run_id: str | None, root: Path,
-            known_bpb: float | None = None) -> dict:
-    """Register the model as a new version (alias `challenger`), score it and the current champion on the same
-    yardstick, and move `champion` to it only if it is better (compare-and-set, see registry.champion).
+            known_bpb: float | None = None, name: str | None = None) -> dict:
+    """Register the model as a new version (alias `challenger`) of `name` (default registry.model_name), score it
+    and the current champion on the same yardstick, and move `champion` to it only if it is better
+    (compare-and-set, see registry.champion).
 
     `known_bpb`: the model's bits per byte on this very yardstick when already measured (the evaluate stage's
     val_bpb, with the same yardstick sha256), else it is scored here. Returns the decision as a JSON-serialisable
     dict (written to reports/promotion.json by the stage)."""
     model_dir, tokenizer_dir = Path(model_dir), Path(tokenizer_dir)
-    if known_bpb is None:
-        model = UltraThink.from_pretrained(model_dir)
-        known_bpb = score_documents(model, load_tokenizer(tokenizer_dir), yardstick.documents).bits_per_byte
-    bpb = float(known_bpb)
+    name = name or cfg.model_name
+    bpb = float(known_bpb if known_bpb is not None else yardstick.score(ModelFiles(model_dir, tokenizer_dir)))
     weights_sha = sha256(model_dir / WEIGHTS_FILE)
     with start_or_resume_run(cfg.experiment, root, run_id) as run:
         client = MlflowClient()
         _ensure_run_metrics({"val_bpb": bpb})
-        version = registered_version(client, cfg.model_name, run.info.run_id, weights_sha)
+        version = registered_version(client, name, run.info.run_id, weights_sha)
         if version is None:
             mlflow.log_text(yardstick.jsonl(), YARDSTICK_ARTIFACT)
             info = log_pyfunc(model_dir, tokenizer_dir, eval_cfg)
@@ -146,13 +144,13 @@ def promote(model_dir: Path, tokenizer_dir: Path, yardstick: Yardstick, cfg: Reg
             version_tags = {**{k: str(v) for k, v in tags.items()}, "val_bpb": repr(bpb),
                             "yardstick_sha256": yardstick.sha256, "yardstick_bytes": str(yardstick.bytes),
                             "model_sha256": weights_sha, "hf_export": hf_export}
-            version = mlflow.register_model(info.model_uri, cfg.model_name, tags=version_tags)
+            version = mlflow.register_model(info.model_uri, name, tags=version_tags)
     number = int(version.version)
-    client.set_registered_model_alias(cfg.model_name, CHALLENGER, str(number))
-    decision = decide_and_move(client, cfg.model_name, number, bpb, yardstick, root, by=f"promote stage ({actor()})")
+    client.set_registered_model_alias(name, CHALLENGER, str(number))
+    decision = decide_and_move(client, name, number, bpb, yardstick, root, by=f"promote stage ({actor()})")
     return {
-        "model_name": cfg.model_name, "version": number, "run_id": run.info.run_id,
-        "yardstick": yardstick.describe(), "value": bpb, "metric": "val_bpb",
+        "model_name": name, "version": number, "run_id": run.info.run_id,
+        "yardstick": yardstick.describe(), "value": bpb, "metric": yardstick.metric,
         "previous_champion_version": decision.champion_version, "previous_value": decision.champion_bpb,
         "promoted": decision.promoted, "reason": decision.reason, "hf_export": version.tags.get("hf_export"),
     }

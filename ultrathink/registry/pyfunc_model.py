@@ -18,6 +18,7 @@ import mlflow
 import pandas as pd
 from mlflow.pyfunc import PythonModel
 
+from ultrathink.finetune.chat import is_chat_tokenizer, reply, user
 from ultrathink.model import UltraThink
 from ultrathink.model.generate import generate_text
 from ultrathink.tokenizer import load_tokenizer
@@ -40,7 +41,8 @@ def to_prompts(model_input: Any) -> list[str]:
 
 
 class UltraThinkModel(PythonModel):
-    """Text in, generated continuation out; generation knobs come from `params` over generation.json."""
+    """Text in, generated text out; generation knobs come from `params` over generation.json. A pretrained model
+    continues each text; a fine-tuned one (its tokenizer has a chat template) answers each text as a user message."""
 
     def load_context(self, context) -> None:
         self.model = UltraThink.from_pretrained(Path(context.artifacts["model"]))
@@ -63,6 +65,8 @@ class UltraThinkModel(PythonModel):
         """One continuation per prompt. Through `mlflow.pyfunc` the signature turns a str or list of str into a
         one-column DataFrame first; called directly, a str or list of str works too."""
         knobs = self.generation_knobs(params)
+        if is_chat_tokenizer(self.tokenizer):
+            return [reply(self.model, self.tokenizer, [user(prompt)], **knobs) for prompt in to_prompts(model_input)]
         return [generate_text(self.model, self.tokenizer, prompt, **knobs) for prompt in to_prompts(model_input)]
 
 

@@ -60,3 +60,14 @@ def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int, max_batches:
     n = loader.n_windows // loader.batch_size
     for _ in range(n if max_batches is None else min(n, max_batches)):
         yield next(loader)
+
+
+class TokenStreamEval:
+    """Validation data as a packed token stream (the val split): its windows of seq_len in order. Other validation
+    data (held-out chats, ultrathink.finetune.pairs.ChatEval) offers the same `eval_batches`."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self.tokens, self.seq_len = tokens, seq_len
+
+    def eval_batches(self, batch_size: int, max_batches: int | None = None):
+        return eval_batches(self.tokens, self.seq_len, batch_size, max_batches)

@@ -7,7 +7,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable, Protocol
 
 import numpy as np
 import torch
@@ -20,7 +20,7 @@ from ultrathink.errors import StageError
 from ultrathink.train.checkpoint import CheckpointManager
 from ultrathink.train.distributed import Distributed
 from ultrathink.train.engine import autocast, autocast_dtype, build_engine
-from ultrathink.train.loader import TokenWindows, eval_batches
+from ultrathink.train.loader import TokenStreamEval, TokenWindows
 from ultrathink.model.kernels import AttentionKernel, choose_attention
 from ultrathink.train.precision import peak_flops
 from ultrathink.train.schedule import Scheduler
@@ -28,6 +28,10 @@ from ultrathink.train.schedule import Scheduler
 log = logging.getLogger(__name__)
 
 MetricsSink = Callable[[dict[str, float], int], None]
+
+
+class EvalData(Protocol):
+    def eval_batches(self, batch_size: int, max_batches: int | None = None) -> Iterable[tuple[torch.Tensor, torch.Tensor]]: ...
 
 
 class NonFiniteLossError(StageError):
@@ -55,10 +59,13 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, train_loader: TokenWindows, val_tokens: np.ndarray,
+    def __init__(self, model: torch.nn.Module, train_loader: TokenWindows, val_data: np.ndarray | EvalData,
                  cfg: TrainConfig, checkpoints: CheckpointManager,
                  log_metrics: MetricsSink | None = None, dist: Distributed | None = None):
-        self.model, self.loader, self.val_tokens, self.cfg = model, train_loader, val_tokens, cfg
+        """`train_loader` gives (x, y) batches (targets -100 are not trained on) and has `seq_len` and a
+        state_dict; `val_data` is the val split's tokens or anything with `eval_batches(batch_size, max_batches)`."""
+        self.model, self.loader, self.cfg = model, train_loader, cfg
+        self.val_data = val_data if hasattr(val_data, "eval_batches") else TokenStreamEval(val_data, train_loader.seq_len)
         self.checkpoints = checkpoints
         self.log_metrics = log_metrics or (lambda metrics, step: None)
         self.dist = dist or Distributed()
@@ -204,7 +211,7 @@ class Trainer:
         return self.engine.model_state()
 
     def validate(self) -> float:
-        batches = eval_batches(self.val_tokens, self.loader.seq_len, self.cfg.batch_size, self.cfg.eval_batches)
+        batches = self.val_data.eval_batches(self.cfg.batch_size, self.cfg.eval_batches)
         return mean_loss(self.model, batches, self.cfg.precision)[0]
 
     def _track_best(self, val_loss: float) -> bool:

@@ -1,0 +1,163 @@
+"""End to end on the embedded default, with the real tools: pretrain (the session's trained project) → `dvc repro`
+with finetune.enabled (LoRA on the embedded question/answer pairs) → the chat model registered and promoted →
+`mlflow models serve` of both champions answering as `generate` and `chat` do → guarded promotion keeps the chat
+champion against a worse fine-tune → bad pairs stop at the gate with nothing registered."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from e2e_helpers import client_for, copy_project, ran_stages, set_params, sh
+
+pytestmark = pytest.mark.slow
+
+QUESTION = 'What does the Python language reference say about the "for" statement?'
+# The session's base model is tiny and barely trained (12 steps): 60 LoRA steps lower its held-out answer loss by
+# about 0.025 nats (16 steps: 0.004).
+FINETUNE = {"enabled": True, "max_steps": 60, "batch_size": 8, "warmup_steps": 2, "eval_every": 20, "lr": 0.02,
+            "samples": 2}
+
+
+@pytest.fixture(scope="module")
+def project(trained_project, tmp_path_factory) -> Path:
+    """The trained project (ultrathink v1 is champion) after `dvc repro` with fine-tuning switched on."""
+    project = copy_project(trained_project, tmp_path_factory.mktemp("finetune"))
+    set_params(project, {"finetune": FINETUNE})
+    done = sh(["dvc", "repro"], project)
+    assert ran_stages(done.stdout) == ["finetune", "promote_finetuned"]
+    return project
+
+
+def report(project: Path, name: str) -> dict:
+    return json.loads((project / "reports" / name).read_text())
+
+
+def test_lora_fine_tuning_lowers_the_answer_loss_and_becomes_the_chat_champion(project):
+    metrics = report(project, "finetune.json")
+    assert metrics["ft_response_loss"] < metrics["ft_response_loss_before"] - 0.01, metrics
+    assert 0 < metrics["ft_trainable_share"] < 0.5 and metrics["ft_trainable_params"] > 0
+    assert metrics["ft_heldout_pairs"] > 10 and metrics["base_model"] == "models:/ultrathink/1"
+    assert {"well-formed rows", "response not empty", "row count"} <= {r["name"] for r in metrics["gate"]["results"]}
+    assert len(metrics["samples"]) == 2 and all({"before", "after", "reference"} <= s.keys() for s in metrics["samples"])
+    decision = report(project, "finetune_promotion.json")
+    assert decision["promoted"] and decision["model_name"] == "ultrathink-chat" and decision["version"] == 1
+    assert decision["metric"] == "heldout_response_bpb" and decision["value"] == pytest.approx(metrics["ft_response_bpb"])
+    client = client_for(project)
+    version = client.get_model_version_by_alias("ultrathink-chat", "champion")
+    assert version.tags["base_model"] == "models:/ultrathink/1"
+    run = client.get_run(version.run_id)
+    assert run.data.metrics["ft_response_loss"] == pytest.approx(metrics["ft_response_loss"])
+    assert run.data.params["finetune.method"] == "lora"
+    assert int(client.get_model_version_by_alias("ultrathink", "champion").version) == 1  # pretraining's untouched
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def served(project: Path, uri: str):
+    """`mlflow models serve` of `uri` from the project's store on 127.0.0.1; yields the base URL."""
+    port = free_port()
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+               MLFLOW_TRACKING_URI=f"sqlite:///{project / 'mlflow.db'}")
+    log = project / f"serve-{port}.log"
+    with log.open("w") as out:
+        server = subprocess.Popen(["mlflow", "models", "serve", "-m", uri, "--env-manager", "local",
+                                   "-h", "127.0.0.1", "-p", str(port), "-w", "1"], cwd=project, env=env,
+                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/ping", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"the server did not come up:\n{log.read_text()[-3000:]}") from None
+                time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+
+
+def invoke(url: str, inputs: list[str], params: dict) -> list[str]:
+    body = json.dumps({"inputs": inputs, "params": params}).encode()
+    request = urllib.request.Request(f"{url}/invocations", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())["predictions"]
+
+
+def local(project: Path, uri: str):
+    from ultrathink.model import UltraThink
+    from ultrathink.text_eval import resolve_model
+    from ultrathink.tokenizer import load_tokenizer
+
+    model_dir, tokenizer_dir = resolve_model(uri, project)
+    return UltraThink.from_pretrained(model_dir), load_tokenizer(tokenizer_dir)
+
+
+def test_served_champions_answer_as_generate_and_chat_do(project):
+    from ultrathink.finetune.chat import reply, user
+    from ultrathink.model.generate import generate_text
+
+    greedy = {"temperature": 0.0, "max_new_tokens": 12}
+    with served(project, "models:/ultrathink@champion") as url:
+        answers = invoke(url, ["The", "A class"], greedy)
+    model, tokenizer = local(project, "models:/ultrathink@champion")
+    assert answers == [generate_text(model, tokenizer, p, 12, 0.0, None, 0) for p in ("The", "A class")]
+    assert all(answers)
+    generated = sh(["ultrathink", "generate", "-m", "models:/ultrathink@champion", "--prompt", "The",
+                    "--temperature", "0", "--max-new-tokens", "12"], project)
+    assert generated.stdout == answers[0] + "\n"
+
+    with served(project, "models:/ultrathink-chat@champion") as url:
+        (answer,) = invoke(url, [QUESTION], greedy)
+    model, tokenizer = local(project, "models:/ultrathink-chat@champion")
+    assert answer and answer == reply(model, tokenizer, [user(QUESTION)], 12, 0.0, None, 0)
+    chatted = sh(["ultrathink", "chat", "-m", "models:/ultrathink-chat@champion", "--message", QUESTION,
+                  "--temperature", "0", "--max-new-tokens", "12"], project)
+    assert chatted.stdout == answer + "\n"
+
+
+def test_a_worse_fine_tune_is_registered_but_the_chat_champion_stays(project):
+    set_params(project, {"finetune": {**FINETUNE, "max_steps": 2, "warmup_steps": 1, "eval_every": 2, "lr": 1e-4}})
+    done = sh(["dvc", "repro"], project)
+    assert ran_stages(done.stdout) == ["finetune", "promote_finetuned"]
+    decision = report(project, "finetune_promotion.json")
+    assert decision["version"] == 2 and not decision["promoted"]
+    # The champion was scored on the challenger's held-out pairs under its own code and chat tokenizer: the same
+    # pairs as in the first run, so it scores what it scored then.
+    assert decision["previous_champion_version"] == 1
+    first = client_for(project).get_model_version("ultrathink-chat", "1")
+    assert decision["previous_value"] == pytest.approx(float(first.tags["val_bpb"]), rel=1e-6)
+    assert decision["value"] > decision["previous_value"]
+    assert int(client_for(project).get_model_version_by_alias("ultrathink-chat", "champion").version) == 1
+
+
+def test_bad_pairs_stop_at_the_gate_and_register_nothing(project):
+    before = len(client_for(project).search_model_versions("name='ultrathink-chat'"))
+    rows = [{"prompt": f"question {i}", "response": f"answer {i}"} for i in range(30)] + [{"prompt": "q", "response": ""}]
+    (project / "data/finetune/pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    set_params(project, {"finetune": {**FINETUNE, "data": "data/finetune/pairs.jsonl"}})
+    failed = sh(["dvc", "repro"], project, check=False)
+    assert failed.returncode != 0 and ran_stages(failed.stdout) == ["finetune"]
+    log = " ".join((failed.stdout + failed.stderr).split())
+    assert "Fine-tuning pairs validation FAILED" in log and "1 of 31 responses are empty or blank" in log
+    assert "line 31" in log
+    assert len(client_for(project).search_model_versions("name='ultrathink-chat'")) == before

@@ -1,0 +1,1 @@
+"""Supervised fine-tuning after pretraining: chat template, prompt/response pairs, LoRA through PEFT."""
