@@ -201,6 +201,9 @@ def test_lora_trains_only_the_adapters_and_merges_into_plain_weights(assets, tmp
         assert torch.allclose(merged(x).logits, expected, atol=1e-5)
     assert set(merged.state_dict()) == set(original)  # plain UltraThink weights: loads, scores and exports as ever
     assert score(merged, tokenizer, chats).loss < before - 0.3  # it learned the answers it was trained on
+    # The same configuration resumes from its checkpoint; other pairs are another configuration.
+    assert build(params, base, tokenizer, chats, heldout).trainer.resume() == 24
+    assert build(params, base, tokenizer, chats[1:], heldout).trainer.resume() is None
 
 
 def test_adapters_on_missing_layers_name_the_layers_there_are(assets):

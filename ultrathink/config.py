@@ -477,13 +477,15 @@ class FinetuneConfig(Section):
     max_response_chars: int = Field(2000, ge=1, description="longest answer")
     method: Literal["lora", "full"] = Field("lora", description="lora: train adapters only (PEFT); full: every weight")
     lora: LoraSettings = LoraSettings()
-    max_steps: int = Field(150, ge=1, description="optimizer steps")
+    max_steps: int = Field(60, ge=1, description="optimizer steps (embedded pairs on the default model: the held-out "
+                           "answer loss is lowest near 60 at lr 2e-3; 150 overfits, the best checkpoint is kept)")
     batch_size: int = Field(16, ge=1, description="pairs per step (each padded to model.seq_len)")
     lr: float = Field(2e-3, gt=0, le=1, description="peak learning rate")
     warmup_steps: int = Field(10, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     schedule: Literal["cosine", "linear", "constant", "wsd"] = Field("cosine")
-    eval_every: int = Field(50, ge=1, description="steps between validation passes on the held-out pairs")
+    eval_every: int = Field(20, ge=1, description="steps between validation passes on the held-out pairs (the best "
+                            "pass's weights are the result)")
     seed: int = Field(0, description="seed of the pair order, the adapters' init and dropout")
     samples: int = Field(3, ge=0, description="held-out prompts answered (greedy) by the model before and after, "
                          "in the report")
