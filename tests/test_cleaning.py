@@ -11,6 +11,7 @@ from ultrathink.config import DataConfig, Params
 from ultrathink.data.cleaning import (clean_corpus, drop_by_length, drop_exact_duplicates, drop_unprintable,
                                       normalize_unicode)
 from ultrathink.data.constitution import ConstitutionError, apply_constitution, load_constitution, luhn_valid
+from ultrathink.data.shards import read_shards
 from ultrathink.data.validation import CorpusValidationError, validate_cleaned
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,7 +150,8 @@ def test_validate_stage_writes_cleaning_report_and_fails_on_flagged_pii(tmp_path
     assert report["cleaning"]["constitution"]["email"]["redactions"] == 2
     assert (report["cleaning"]["duplicates_removed"], report["cleaning"]["documents_kept"]) == (1, 31)
     assert report["cleaned"]["success"]
-    assert "mail <|email|>" in Path("data/validated/corpus.jsonl").read_text()
+    written = list(read_shards(Path("data/validated/corpus")))
+    assert len(written) == 31 and "mail <|email|>" in written
 
     Path("constitution.yaml").write_text(
         Path("constitution.yaml").read_text().replace("name: email\n    description: e-mail addresses\n    action: redact",
@@ -158,3 +160,4 @@ def test_validate_stage_writes_cleaning_report_and_fails_on_flagged_pii(tmp_path
                                                     r"still match principle 'email' \(action flag\)"):
         run(params)
     assert json.loads(Path("reports/validate.json").read_text())["cleaned"]["success"] is False
+    assert list(read_shards(Path("data/validated/corpus"))) == written  # the failed run left the last good corpus

@@ -27,7 +27,7 @@ class Section(BaseModel):
 class PathsConfig(Section):
     """Where each stage writes. dvc.yaml reads these same values through `${paths.*}` templating."""
 
-    validated_corpus: str = "data/validated/corpus.jsonl"
+    validated_corpus: str = "data/validated/corpus"  # Parquet shards + index.json (ultrathink.data.shards)
     validate_report: str = "reports/validate.json"
     tokenizer_dir: str = "artifacts/tokenizer"
     prepared_dir: str = "data/prepared"
@@ -100,6 +100,9 @@ class ValidateConfig(Section):
     max_duplicate_fraction: float = Field(
         0.3, ge=0, le=1, description="largest share of documents that repeat an earlier one, in the source as loaded")
     min_printable_ratio: float = Field(0.95, ge=0, le=1, description="least share of printable characters per document")
+    batch_rows: int = Field(10_000, ge=1, description="documents read, checked, cleaned and written at a time: the "
+                            "stage's memory follows this, not the corpus size")
+    shard_mb: float = Field(128.0, gt=0, description="megabytes of text per shard of the validated corpus")
 
     @model_validator(mode="after")
     def _bounds_ordered(self) -> "ValidateConfig":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import unicodedata
 
+import numpy as np
 import pandas as pd
 
 from ultrathink.config import DataConfig
@@ -27,12 +28,14 @@ def printable_ratio(text: str) -> float:
     return sum(ch.isprintable() or ch in "\n\t\r" for ch in text) / len(text)
 
 
-def clean_corpus(corpus: pd.DataFrame, cfg: DataConfig, principles: list[Principle]) -> tuple[pd.DataFrame, dict]:
+def clean_corpus(corpus: pd.DataFrame, cfg: DataConfig, principles: list[Principle],
+                 seen: "SeenHashes | None" = None) -> tuple[pd.DataFrame, dict]:
     """Normalize, drop unprintable documents, apply the constitution, drop too short/long ones, de-duplicate.
 
     The order matters: normalization first so that later steps (and duplicates) see one spelling of each
     character; length after the constitution because redaction changes lengths; de-duplication last so that
-    documents differing only in what was redacted count as copies.
+    documents differing only in what was redacted count as copies. `seen`: the cleaned texts of earlier batches
+    (a streamed corpus), for de-duplication across batches.
     """
     report: dict = {"documents_in": len(corpus)}
     corpus, report["normalized_documents"] = normalize_unicode(corpus, cfg.normalize)
@@ -42,7 +45,7 @@ def clean_corpus(corpus: pd.DataFrame, cfg: DataConfig, principles: list[Princip
         corpus, cfg.min_chars, cfg.max_chars)
     report["duplicates_removed"] = 0
     if cfg.dedup:
-        corpus, report["duplicates_removed"] = drop_exact_duplicates(corpus)
+        corpus, report["duplicates_removed"] = drop_exact_duplicates(corpus, seen)
     report["documents_kept"] = len(corpus)
     return corpus, report
 
@@ -71,10 +74,45 @@ def drop_by_length(corpus: pd.DataFrame, min_chars: int, max_chars: int) -> tupl
     return corpus[~(short | long)].reset_index(drop=True), int(short.sum()), int(long.sum())
 
 
-def drop_exact_duplicates(corpus: pd.DataFrame) -> tuple[pd.DataFrame, int]:
-    """Keep the first occurrence of each text, compared by a 128-bit hash (16 bytes per document in memory, not
-    a copy of every text). Repeated documents teach memorisation and inflate validation scores when a copy lands
-    on each side of the split."""
-    digests = corpus[TEXT].map(lambda text: hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest())
-    keep = ~digests.duplicated(keep="first")
-    return corpus[keep].reset_index(drop=True), int((~keep).sum())
+def drop_exact_duplicates(corpus: pd.DataFrame, seen: "SeenHashes | None" = None) -> tuple[pd.DataFrame, int]:
+    """Keep the first occurrence of each text, compared by a 64-bit hash (8 bytes per distinct document, not a copy
+    of every text). `seen` carries the texts of earlier batches, so a streamed corpus is de-duplicated as a whole.
+    Repeated documents teach memorisation and inflate validation scores when a copy lands on each side of the split."""
+    repeats = (seen if seen is not None else SeenHashes()).add(corpus[TEXT].tolist())
+    return corpus[~repeats].reset_index(drop=True), int(repeats.sum())
+
+
+def text_hashes(texts: list[str]) -> np.ndarray:
+    """A 64-bit blake2b digest per text (a collision among 20 million distinct texts has a chance of about 1e-5)."""
+    return np.fromiter((int.from_bytes(hashlib.blake2b(t.encode("utf-8"), digest_size=8).digest(), "little")
+                        for t in texts), dtype=np.uint64, count=len(texts))
+
+
+class SeenHashes:
+    """Which texts were seen before, over batch after batch: the hashes of the distinct texts so far, kept as a few
+    sorted runs (merged when one is no longer much smaller than the one before, so a lookup costs a few binary
+    searches and the memory is 8 bytes per distinct text)."""
+
+    def __init__(self):
+        self.runs: list[np.ndarray] = []
+
+    def __len__(self) -> int:
+        return sum(len(run) for run in self.runs)
+
+    def add(self, texts: list[str]) -> np.ndarray:
+        """For each text, in order: whether it repeats an earlier one (of this batch or any before); all are added."""
+        hashes = text_hashes(texts)
+        distinct, first, where = np.unique(hashes, return_index=True, return_inverse=True)
+        repeats = np.ones(len(hashes), dtype=bool)
+        repeats[first] = False
+        known = np.zeros(len(distinct), dtype=bool)
+        for run in self.runs:
+            at = np.minimum(np.searchsorted(run, distinct), len(run) - 1)
+            known |= run[at] == distinct
+        repeats |= known[where.reshape(-1)]
+        if not known.all():
+            self.runs.append(distinct[~known])
+        while len(self.runs) > 1 and len(self.runs[-2]) <= 2 * len(self.runs[-1]):
+            newest = self.runs.pop()
+            self.runs[-1] = np.union1d(self.runs[-1], newest)
+        return repeats

@@ -191,5 +191,6 @@ def apply_constitution(corpus: pd.DataFrame, principles: list[Principle]) -> tup
         stats[{"redact": "redactions", "drop": "documents_dropped", "flag": "documents_flagged"}[principle.action]] = (
             stats["matches"] if principle.action == "redact" else stats["documents"])
         counts[principle.name] = stats
-    cleaned = corpus.assign(**{TEXT: pd.Series(texts, index=corpus.index, dtype=object)})[keep]
+    cleaned = corpus.assign(**{TEXT: pd.Series(texts, index=corpus.index, dtype=object)})
+    cleaned = cleaned[pd.Series(keep, index=corpus.index, dtype=bool)]  # a Series: rows, even when there are none
     return cleaned.reset_index(drop=True), counts

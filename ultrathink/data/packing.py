@@ -30,6 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ultrathink.config import PrepareConfig
+from ultrathink.data.shards import is_sharded, read_shards, text_bytes
 from ultrathink.data.token_checks import check_token_files
 from ultrathink.io import atomic_dir
 from ultrathink.tokenizer import load_tokenizer, tokenizer_hash
@@ -80,7 +81,7 @@ class _Batch:
     chars: int = 0
 
 
-def prepare_splits(corpus_jsonl: Path, tokenizer_dir: Path, cfg: PrepareConfig, out_dir: Path,
+def prepare_splits(corpus: Path, tokenizer_dir: Path, cfg: PrepareConfig, out_dir: Path,
                    report_dir: Path | None = None) -> dict:
     """Write train.bin, val.bin and meta.json into `out_dir` (replaced as a whole at the end); return the meta.
 
@@ -92,13 +93,13 @@ def prepare_splits(corpus_jsonl: Path, tokenizer_dir: Path, cfg: PrepareConfig, 
     document in both splits); the check's report goes to `report_dir` when given, and a failed check raises
     TokenCheckError, leaving `out_dir` untouched.
     """
-    corpus_jsonl, out_dir = Path(corpus_jsonl), Path(out_dir)
+    corpus, out_dir = Path(corpus), Path(out_dir)
     tokenizer = load_tokenizer(tokenizer_dir)
     dtype = np.dtype(np.uint16 if len(tokenizer) <= 65535 else np.uint32)
-    plan = plan_splits(corpus_jsonl, cfg)
+    plan = plan_splits(corpus, cfg)
     stats = {split: {"tokens": 0, "bytes": 0, "documents": 0} for split in SPLITS}
     with atomic_dir(out_dir) as tmp:
-        _write_token_files(corpus_jsonl, plan, cfg, Path(tokenizer_dir), tmp, dtype, stats)
+        _write_token_files(corpus, plan, cfg, Path(tokenizer_dir), tmp, dtype, stats)
         meta = {"dtype": dtype.name, "vocab_size": len(tokenizer), "eos_id": tokenizer.eos_token_id,
                 "tokenizer_sha256": tokenizer_hash(tokenizer_dir), "val_fraction": cfg.val_fraction,
                 **plan.describe(), **stats}
@@ -107,35 +108,35 @@ def prepare_splits(corpus_jsonl: Path, tokenizer_dir: Path, cfg: PrepareConfig, 
     return meta
 
 
-def plan_splits(corpus_jsonl: Path, cfg: PrepareConfig) -> SplitPlan:
+def plan_splits(corpus: Path, cfg: PrepareConfig) -> SplitPlan:
     """First pass over the corpus: decide every document's split (hash: a flag each; tail: where to cut)."""
     if cfg.split == "hash":
-        in_val = np.fromiter((split_fraction(t) < cfg.val_fraction for t in read_texts(corpus_jsonl)), dtype=bool)
-        _need_two(corpus_jsonl, len(in_val))
+        in_val = np.fromiter((split_fraction(t) < cfg.val_fraction for t in read_texts(corpus)), dtype=bool)
+        _need_two(corpus, len(in_val))
         plan = SplitPlan("hash", len(in_val), in_val=in_val)
         if in_val.all() or not in_val.any():
             plan.moved_last_document_to = "train" if in_val[-1] else "val"
             in_val[-1] = not in_val[-1]
         return plan
-    lengths = np.fromiter((len(t) for t in read_texts(corpus_jsonl)), dtype=np.int64)
+    lengths = np.fromiter((len(t) for t in read_texts(corpus)), dtype=np.int64)
     if lengths.sum() < 2:
-        raise ValueError(f"{corpus_jsonl}: {lengths.sum()} character(s); train and val need at least one each")
+        raise ValueError(f"{corpus}: {lengths.sum()} character(s); train and val need at least one each")
     target = int(lengths.sum() * (1 - cfg.val_fraction)) or 1  # characters that go to train
     ends = np.cumsum(lengths)
     # The document holding character number `target` (0-based): the first whose end lies beyond it. (side="left"
     # picked the document ending exactly at the cut, leaving val an empty piece of it.)
     cut_document = int(np.searchsorted(ends, target, side="right"))
     offset = target - int(ends[cut_document] - lengths[cut_document])
-    text = next(t for i, t in enumerate(read_texts(corpus_jsonl)) if i == cut_document)
+    text = next(t for i, t in enumerate(read_texts(corpus)) if i == cut_document)
     line_start = text.rfind("\n", 0, offset) + 1  # cut at a line start when the document has one before the cut
     return SplitPlan("tail", len(lengths), cut_document=cut_document, cut_offset=line_start or offset)
 
 
-def training_texts(corpus_jsonl: Path, cfg: PrepareConfig) -> Iterator[str]:
+def training_texts(corpus: Path, cfg: PrepareConfig) -> Iterator[str]:
     """The text that prepare puts in the train split (whole documents or the head of the cut one): what the
     tokenizer may learn from, so validation text stays unseen."""
-    plan = plan_splits(Path(corpus_jsonl), cfg)
-    for number, text in enumerate(read_texts(corpus_jsonl)):
+    plan = plan_splits(Path(corpus), cfg)
+    for number, text in enumerate(read_texts(corpus)):
         yield from (piece for piece, is_val in plan.pieces(number, text) if not is_val)
 
 
@@ -181,10 +182,14 @@ def split_fraction(text: str) -> float:
     return int.from_bytes(digest, "big") / 2**64
 
 
-def read_texts(corpus_jsonl: Path, progress=None) -> Iterator[str]:
-    """The "text" of each JSON line, streamed; blank lines are skipped, anything else malformed is an error.
+def read_texts(corpus: Path, progress=None) -> Iterator[str]:
+    """The corpus's texts, streamed: the validate stage's shards (a directory, ultrathink.data.shards), or the
+    "text" of each line of a JSON-lines file (blank lines skipped, anything else malformed is an error).
     `progress` (a tqdm bar), when given, advances by the bytes read."""
-    with open(corpus_jsonl, "rb") as lines:
+    if is_sharded(corpus):
+        yield from read_shards(corpus, progress)
+        return
+    with open(corpus, "rb") as lines:
         for number, line in enumerate(lines, start=1):
             if progress is not None:
                 progress.update(len(line))
@@ -193,30 +198,30 @@ def read_texts(corpus_jsonl: Path, progress=None) -> Iterator[str]:
             try:
                 text = json.loads(line).get("text")
             except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
-                raise ValueError(f"{corpus_jsonl}:{number}: not a JSON object: {exc}") from None
+                raise ValueError(f"{corpus}:{number}: not a JSON object: {exc}") from None
             if not isinstance(text, str):
                 got = "null or no 'text' key" if text is None else type(text).__name__
-                raise ValueError(f"{corpus_jsonl}:{number}: 'text' must be a string, got {got}")
+                raise ValueError(f"{corpus}:{number}: 'text' must be a string, got {got}")
             yield text
 
 
-def _need_two(corpus_jsonl: Path, n: int) -> None:
+def _need_two(corpus: Path, n: int) -> None:
     if n < 2:
-        raise ValueError(f"{corpus_jsonl}: {n} document(s); train and val need at least one each")
+        raise ValueError(f"{corpus}: {n} document(s); train and val need at least one each")
 
 
 # ---- the streaming writer ----------------------------------------------------------------------------------------
 
-def _write_token_files(corpus_jsonl: Path, plan: SplitPlan, cfg: PrepareConfig, tokenizer_dir: Path, out: Path,
+def _write_token_files(corpus: Path, plan: SplitPlan, cfg: PrepareConfig, tokenizer_dir: Path, out: Path,
                        dtype: np.dtype, stats: dict) -> None:
     """Second pass: encode batches in worker processes, in order, appending each split's ids to its file."""
     workers = cfg.workers or os.cpu_count() or 1
     with ExitStack() as stack:
         files = {split: stack.enter_context(open(out / f"{split}.bin", "wb")) for split in SPLITS}
         val_text = stack.enter_context(open(out / VAL_TEXT_FILE, "w", encoding="utf-8"))
-        bar = stack.enter_context(tqdm(total=corpus_jsonl.stat().st_size, unit="B", unit_scale=True,
+        bar = stack.enter_context(tqdm(total=text_bytes(corpus), unit="B", unit_scale=True,
                                        desc="prepare", disable=None))
-        batches = _batches(corpus_jsonl, plan, cfg.batch_size, bar)
+        batches = _batches(corpus, plan, cfg.batch_size, bar)
         pending = ""  # val text of a document whose last piece is still to come
         for batch, encoded in _encode_in_order(batches, tokenizer_dir, dtype, workers, stack):
             for split, (ids, counts) in zip(SPLITS, encoded):
@@ -231,10 +236,10 @@ def _write_token_files(corpus_jsonl: Path, plan: SplitPlan, cfg: PrepareConfig, 
                         pending = ""
 
 
-def _batches(corpus_jsonl: Path, plan: SplitPlan, size: int, progress) -> Iterator[_Batch]:
+def _batches(corpus: Path, plan: SplitPlan, size: int, progress) -> Iterator[_Batch]:
     """Consecutive batches of at most `size` documents and about `_BATCH_CHARS` characters."""
     batch, documents = _Batch(), 0
-    for number, text in enumerate(read_texts(corpus_jsonl, progress)):
+    for number, text in enumerate(read_texts(corpus, progress)):
         for part, is_val in plan.pieces(number, text):
             pieces = _pieces(part, _MAX_PIECE_CHARS)
             for i, piece in enumerate(pieces):

@@ -19,6 +19,7 @@ import glob
 import re
 import tempfile
 from contextlib import ExitStack
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -39,6 +40,7 @@ SAVED_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 _STRING_TYPES = {"string", "large_string", "null"}  # "null": a column with no value at all, left to validation
 _BLANK_LINE = re.compile(r"\n\s*\n")
 _GLOB_CHARS = re.compile(r"[*?\[]")
+_CHUNK_ROWS = 10_000
 
 
 class CorpusError(StageError, ValueError):
@@ -66,13 +68,33 @@ def load_corpus(cfg: DataConfig, root: Path = Path(".")) -> pd.DataFrame:
     return _frame(read_source(spec, Path(root), cfg.max_samples))
 
 
+def corpus_batches(cfg: DataConfig, root: Path, rows: int) -> Iterator[pd.DataFrame]:
+    """The corpus of `load_corpus`, as DataFrames of at most `rows` rows, read lazily: a single source is never
+    held whole (dataset files are streamed, `max_samples` stops reading). A mixture is drawn in memory first (its
+    weighted draw needs each component's size), then cut into batches."""
+    if cfg.mixture:
+        corpus = _load_mixture(cfg, Path(root))
+        for start in range(0, len(corpus), rows):
+            yield corpus.iloc[start : start + rows].reset_index(drop=True)
+        return
+    spec = SourceSpec(cfg.source, cfg.text_column, cfg.hf_config, cfg.split, True, cfg.txt_unit)
+    texts = islice(iter_source(spec, Path(root)), cfg.max_samples)
+    while batch := list(islice(texts, rows)):
+        yield _frame(batch)
+
+
 def read_source(spec: SourceSpec, root: Path, limit: int | None = None) -> list[str | None]:
     """The first `limit` texts (all when None) of one source, in the source's own order."""
+    return list(islice(iter_source(spec, root), limit))
+
+
+def iter_source(spec: SourceSpec, root: Path) -> Iterator[str | None]:
+    """The texts of one source, in its own order, read as they are consumed."""
     if spec.source == EMBEDDED:
-        return embedded_paragraphs()[:limit]
+        return iter(embedded_paragraphs())
     if spec.source.startswith(HUB_PREFIX):
-        return _read_hub(spec, limit)
-    return _read_local(spec, root, limit)
+        return _read_hub(spec)
+    return _read_local(spec, root)
 
 
 def split_paragraphs(text: str) -> list[str]:
@@ -139,7 +161,7 @@ def _load_mixture(cfg: DataConfig, root: Path) -> pd.DataFrame:
 
 # ---- Hugging Face hub -------------------------------------------------------------------------------------------
 
-def _read_hub(spec: SourceSpec, limit: int | None) -> list[str | None]:
+def _read_hub(spec: SourceSpec) -> Iterator[str | None]:
     """A hub dataset by name through `datasets.load_dataset`, from the local Hugging Face cache when offline."""
     import datasets
 
@@ -156,19 +178,20 @@ def _read_hub(spec: SourceSpec, limit: int | None) -> list[str | None]:
     except Exception as exc:  # unknown config or split, broken files: `datasets` raises many types
         raise CorpusError(f"{spec.source}: cannot be loaded (config {spec.hf_config!r}, split {spec.split!r}): "
                           f"{exc}") from exc
-    return _column_texts(ds, spec.text_column, spec.source, limit)
+    yield from _column_texts(ds, spec.text_column, spec.source)
 
 
 # ---- local files, globs and save_to_disk directories ------------------------------------------------------------
 
-def _read_local(spec: SourceSpec, root: Path, limit: int | None) -> list[str | None]:
+def _read_local(spec: SourceSpec, root: Path) -> Iterator[str | None]:
     path = root / spec.source
     if _GLOB_CHARS.search(spec.source):
         files = [Path(f) for f in sorted(glob.glob(str(path), recursive=True)) if Path(f).is_file()]
         if not files:
             raise CorpusError(f"no corpus files match {path}")
     elif path.is_dir():
-        return _read_saved(spec, path, limit)
+        yield from _read_saved(spec, path)
+        return
     elif path.is_file():
         files = [path]
     else:
@@ -179,9 +202,12 @@ def _read_local(spec: SourceSpec, root: Path, limit: int | None) -> list[str | N
                           "format in data.mixture")
     suffix = suffixes[0]
     if suffix == ".txt":
-        return list(islice((p for f in files for p in _read_txt(f, spec.txt_unit)), limit))
+        for f in files:
+            yield from _read_txt(f, spec.txt_unit)
+        return
     if suffix in DATASET_BUILDERS:
-        return _read_files(files, DATASET_BUILDERS[suffix], spec, limit)
+        yield from _read_files(files, DATASET_BUILDERS[suffix], spec)
+        return
     raise CorpusError(f"{files[0]}: unsupported corpus format {suffix!r}; supported: {', '.join(SUPPORTED_SUFFIXES)}")
 
 
@@ -193,7 +219,7 @@ def _read_txt(path: Path, unit: str) -> list[str]:
         raise CorpusError(f"{path}: not valid UTF-8 at byte {exc.start}: {exc.reason}") from None
 
 
-def _read_files(files: list[Path], builder: str, spec: SourceSpec, limit: int | None) -> list[str | None]:
+def _read_files(files: list[Path], builder: str, spec: SourceSpec) -> Iterator[str | None]:
     """JSON, JSON Lines, Parquet or CSV through `datasets`, any Arrow cache in a temp dir so the project stays clean."""
     import datasets
 
@@ -205,15 +231,15 @@ def _read_files(files: list[Path], builder: str, spec: SourceSpec, limit: int | 
         try:
             ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
                                        cache_dir=cache_dir, streaming=spec.streaming)
-            # Copied into Python objects before the cache that backs the Arrow table is deleted.
-            return _column_texts(ds, spec.text_column, where, limit)
+            # Read while the cache that backs the Arrow table exists.
+            yield from _column_texts(ds, spec.text_column, where)
         except CorpusError:
             raise
         except Exception as exc:  # the builders raise many types; all mean "this file cannot be parsed"
             raise CorpusError(f"{where}: cannot be read as {builder}: {exc}") from exc
 
 
-def _read_saved(spec: SourceSpec, path: Path, limit: int | None) -> list[str | None]:
+def _read_saved(spec: SourceSpec, path: Path) -> Iterator[str | None]:
     """A Dataset or DatasetDict written by `save_to_disk`; `split` picks the DatasetDict's member."""
     import datasets
 
@@ -230,13 +256,13 @@ def _read_saved(spec: SourceSpec, path: Path, limit: int | None) -> list[str | N
         ds = ds[spec.split]
     if spec.streaming:
         ds = ds.to_iterable_dataset()
-    return _column_texts(ds, spec.text_column, str(path), limit)
+    yield from _column_texts(ds, spec.text_column, str(path))
 
 
 # ---- the text column --------------------------------------------------------------------------------------------
 
-def _column_texts(ds, column: str, where: str, limit: int | None) -> list[str | None]:
-    """The first `limit` values of `column` of a Dataset or IterableDataset, checked to be strings or null."""
+def _column_texts(ds, column: str, where: str) -> Iterator[str | None]:
+    """The values of `column` of a Dataset or IterableDataset, checked to be strings or null, read as consumed."""
     columns = ds.column_names
     if columns is None:  # a streamed csv/json does not know its columns until its first row is read
         columns = list(next(iter(ds), {}))
@@ -245,13 +271,11 @@ def _column_texts(ds, column: str, where: str, limit: int | None) -> list[str | 
     feature = (ds.features or {}).get(column)
     if feature is not None and getattr(feature, "dtype", None) not in _STRING_TYPES:
         raise CorpusError(f"{where}: column {column!r} holds {feature}, expected strings")
-    if hasattr(ds, "__len__"):  # an Arrow-backed Dataset: one column read at C speed
-        rows = ds.select(range(min(limit, len(ds)))) if limit is not None else ds
-        texts = list(rows[column])
-    else:  # an IterableDataset: read lazily, stopping after `limit` rows
-        rows = ds.select_columns([column])
-        texts = [row[column] for row in (rows.take(limit) if limit is not None else rows)]
-    for number, value in enumerate(texts):
+    if hasattr(ds, "__len__"):  # an Arrow-backed Dataset: a column chunk at a time, at C speed
+        values = (v for chunk in ds.select_columns([column]).iter(batch_size=_CHUNK_ROWS) for v in chunk[column])
+    else:  # an IterableDataset
+        values = (row[column] for row in ds.select_columns([column]))
+    for number, value in enumerate(values):
         if value is not None and not isinstance(value, str):
             raise CorpusError(f"{where}: column {column!r} row {number} holds {type(value).__name__}, expected strings")
-    return texts
+        yield value

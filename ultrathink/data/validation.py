@@ -69,29 +69,115 @@ class CorpusValidationError(StageError):
 
 def validate_corpus(df: pd.DataFrame, cfg: ValidateConfig) -> ValidationReport:
     """Run the corpus suite on `df` (a "text" column of str or None) and report every expectation's outcome."""
-    frame = _with_helper_columns(_text_column(df))
-    messages = _messages(cfg)
-    run = _run_suite(frame, _expectations(cfg))
-    results = [_result(r, frame[TEXT], messages) for r in run.results]
-    return ValidationReport(success=bool(run.success), n_rows=len(frame), results=results)
+    gate = SourceGate(cfg)
+    gate.add(df)
+    return gate.report()
 
 
 def validate_cleaned(df: pd.DataFrame, principles: list[Principle], min_rows: int) -> ValidationReport:
     """The gate on the cleaned corpus: per principle, the share of documents that still match it is at most its
     max_rate; and cleaning left at least `min_rows` documents."""
-    text = _text_column(df)
-    frame = pd.DataFrame({TEXT: text, **{_violation(p.name): text.map(p.matches).gt(0) for p in principles}})
-    expectations = [
-        gxe.ExpectColumnValuesToBeInSet(column=_violation(p.name), value_set=[False], mostly=1 - p.max_rate,
-                                        meta={"name": f"constitution: {p.name}"})
-        for p in principles
-    ] + [gxe.ExpectTableRowCountToBeBetween(min_value=min_rows, meta={"name": "row count"})]
-    messages = {f"constitution: {p.name}": f"{{count}} of {{checked}} cleaned documents ({{percent:.1f}}%) still "
-                f"match principle {p.name!r} (action {p.action}); at most {p.max_rate:.1%} may" for p in principles}
-    messages["row count"] = f"{{observed}} documents left after cleaning; at least {min_rows} are needed"
-    run = _run_suite(frame, expectations)
-    results = [_result(r, frame[TEXT], messages) for r in run.results]
-    return ValidationReport(success=bool(run.success), n_rows=len(frame), results=results, title="Cleaned corpus")
+    gate = CleanedGate(principles, min_rows)
+    gate.add(df)
+    return gate.report()
+
+
+class Gate:
+    """A suite run batch by batch with its results summed over the whole corpus: per expectation the failing rows
+    and the rows checked, the first failing examples (numbered by their row in the corpus), and the success that
+    the totals give under the expectation's `mostly`. The row count is checked on the total at the end. One batch
+    or many, the report is the same (the validate stage feeds batches of `validate.batch_rows`)."""
+
+    title = "Corpus"
+
+    def __init__(self, expectations: list[gxe.Expectation], messages: dict[str, str], min_rows: int):
+        self.suite, self.messages, self.min_rows = _Suite(expectations), messages, min_rows
+        self.rows = 0
+        self.totals = {e.meta["name"]: {"expectation": e.expectation_type, "mostly": getattr(e, "mostly", None) or 1.0,
+                                        "unexpected": 0, "checked": 0, "examples": [], "error": None}
+                       for e in expectations}
+
+    def frame(self, df: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series]:
+        """(the columns the suite checks, the text shown for a failing row)."""
+        raise NotImplementedError
+
+    def add(self, df: pd.DataFrame) -> None:
+        frame, shown = self.frame(df)
+        if len(frame) and self.totals:
+            for run_result in self.suite.run(frame).results:
+                self._count(run_result, shown)
+        self.rows += len(frame)
+
+    def _count(self, run_result, shown: pd.Series) -> None:
+        raw = run_result.to_json_dict()
+        total = self.totals[run_result.expectation_config.meta["name"]]
+        if raw["exception_info"].get("raised_exception"):
+            total["error"] = total["error"] or raw["exception_info"]["exception_message"]
+            return
+        res = raw["result"]
+        total["unexpected"] += res.get("unexpected_count") or 0
+        total["checked"] += res["element_count"] - res.get("missing_count", 0)
+        room = _EXAMPLES - len(total["examples"])
+        for row in res.get("partial_unexpected_index_list", [])[: max(room, 0)]:
+            total["examples"].append({"row": self.rows + int(row), "text": _clip(shown[row])})
+
+    def report(self) -> ValidationReport:
+        results = [self._result(name, total) for name, total in self.totals.items()]
+        results.append({
+            "name": "row count", "expectation": "expect_table_row_count_to_be_between",
+            "success": self.rows >= self.min_rows, "observed": self.rows, "unexpected_count": None,
+            "checked_rows": None, "message": self.messages["row count"].format(observed=self.rows), "examples": []})
+        return ValidationReport(success=all(r["success"] for r in results), n_rows=self.rows, results=results,
+                                title=self.title)
+
+    def _result(self, name: str, total: dict) -> dict:
+        checked, unexpected = total["checked"], total["unexpected"]
+        percent = 100.0 * unexpected / checked if checked else 0.0
+        if total["error"]:
+            success, message = False, f"could not be evaluated: {total['error']}"
+        else:
+            # GX's rule for `mostly`, on the totals: the share of checked rows that pass is at least `mostly`.
+            success = checked == 0 or (checked - unexpected) / checked >= total["mostly"] - 1e-12
+            message = self.messages[name].format(count=unexpected, checked=checked, percent=percent, observed=None)
+        return {"name": name, "expectation": total["expectation"], "success": bool(success), "observed": percent,
+                "unexpected_count": unexpected, "checked_rows": checked, "message": message,
+                "examples": total["examples"]}
+
+
+class SourceGate(Gate):
+    """The suite on the source as loaded (validate's first gate). A repeat is found across batches by a hash of
+    each text (ultrathink.data.cleaning.SeenHashes: 8 bytes per distinct text, not the texts)."""
+
+    def __init__(self, cfg: ValidateConfig):
+        from ultrathink.data.cleaning import SeenHashes
+
+        super().__init__(_expectations(cfg), _messages(cfg), cfg.min_rows)
+        self.seen = SeenHashes()
+
+    def frame(self, df: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series]:
+        text = _text_column(df, first_row=self.rows)
+        return _with_helper_columns(text, self.seen), text
+
+
+class CleanedGate(Gate):
+    title = "Cleaned corpus"
+
+    def __init__(self, principles: list[Principle], min_rows: int):
+        self.principles = principles
+        expectations = [
+            gxe.ExpectColumnValuesToBeInSet(column=_violation(p.name), value_set=[False], mostly=1 - p.max_rate,
+                                            meta={"name": f"constitution: {p.name}"})
+            for p in principles
+        ]
+        messages = {f"constitution: {p.name}": f"{{count}} of {{checked}} cleaned documents ({{percent:.1f}}%) still "
+                    f"match principle {p.name!r} (action {p.action}); at most {p.max_rate:.1%} may" for p in principles}
+        messages["row count"] = f"{{observed}} documents left after cleaning; at least {min_rows} are needed"
+        super().__init__(expectations, messages, min_rows)
+
+    def frame(self, df: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series]:
+        text = _text_column(df, first_row=self.rows)
+        return pd.DataFrame({TEXT: text, **{_violation(p.name): text.map(p.matches).gt(0)
+                                            for p in self.principles}}), text
 
 
 def validate_pairs(pairs: pd.DataFrame, cfg: FinetuneConfig) -> ValidationReport:
@@ -154,8 +240,7 @@ def _expectations(cfg: ValidateConfig) -> list[gxe.Expectation]:
             column=_DUPLICATE, value_set=[False], mostly=1 - cfg.max_duplicate_fraction, meta={"name": "duplicates"}),
         gxe.ExpectColumnValuesToBeBetween(
             column=_PRINTABLE, min_value=cfg.min_printable_ratio, meta={"name": "printable characters"}),
-        gxe.ExpectTableRowCountToBeBetween(min_value=cfg.min_rows, meta={"name": "row count"}),
-    ]
+    ]  # and the row count, checked on the total (Gate.report)
 
 
 def _messages(cfg: ValidateConfig) -> dict[str, str]:
@@ -172,8 +257,9 @@ def _messages(cfg: ValidateConfig) -> dict[str, str]:
     }
 
 
-def _text_column(df: pd.DataFrame) -> pd.Series:
-    """The text column as object dtype with None for nulls, indexed 0..n-1 so row numbers are positions."""
+def _text_column(df: pd.DataFrame, first_row: int = 0) -> pd.Series:
+    """The text column as object dtype with None for nulls, indexed 0..n-1 so row numbers are positions (an error
+    names the row in the corpus: `first_row` is the batch's first)."""
     if TEXT not in df.columns:
         if len(df):
             raise ValueError(f"corpus has no {TEXT!r} column; columns: {', '.join(map(str, df.columns))}")
@@ -183,33 +269,46 @@ def _text_column(df: pd.DataFrame) -> pd.Series:
     wrong = text.map(lambda v: v is not None and not isinstance(v, str))
     if wrong.any():
         row = int(wrong.idxmax())
-        raise ValueError(f"column {TEXT!r} row {row}: expected str or null, got {type(text[row]).__name__}")
+        raise ValueError(f"column {TEXT!r} row {first_row + row}: expected str or null, got {type(text[row]).__name__}")
     return text
 
 
-def _with_helper_columns(text: pd.Series) -> pd.DataFrame:
-    """Add the per-row facts the suite checks; null texts get null helpers so only the not-null check fails them."""
+def _with_helper_columns(text: pd.Series, seen) -> pd.DataFrame:
+    """Add the per-row facts the suite checks; null texts get null helpers so only the not-null check fails them.
+    `seen` (SeenHashes) holds the texts of earlier batches, so a repeat is found across the whole corpus."""
     present = text.notna()
+    repeats = pd.Series(False, index=text.index, dtype=object)
+    repeats[present] = seen.add(text[present].tolist())
     return pd.DataFrame({
         TEXT: text,
-        _DUPLICATE: text.duplicated().astype(object).where(present, None),
+        _DUPLICATE: repeats.where(present, None),
         _PRINTABLE: text.map(printable_ratio, na_action="ignore").astype(float),
     })
 
 
+class _Suite:
+    """Expectations in a throwaway in-memory GX context (nothing written, nothing fetched), run on one DataFrame at
+    a time, asking for up to 3 failing rows per expectation. The context is built once per gate, not per batch."""
+
+    def __init__(self, expectations: list[gxe.Expectation]):
+        context = gx.get_context(mode="ephemeral")
+        context.variables.progress_bars = ProgressBarsConfig(globally=False)
+        batch = (context.data_sources.add_pandas("corpus").add_dataframe_asset("documents")
+                 .add_batch_definition_whole_dataframe("all rows"))
+        # GX 1.x only runs suites and definitions that were added to the context first.
+        suite = context.suites.add(gx.ExpectationSuite(name="corpus", expectations=expectations))
+        self.definition = context.validation_definitions.add(gx.ValidationDefinition(name="corpus", data=batch,
+                                                                                       suite=suite))
+
+    def run(self, frame: pd.DataFrame):
+        return self.definition.run(
+            batch_parameters={"dataframe": frame},
+            result_format={"result_format": "SUMMARY", "partial_unexpected_count": _EXAMPLES},
+        )
+
+
 def _run_suite(frame: pd.DataFrame, expectations: list[gxe.Expectation]):
-    """Validate `frame` in a throwaway in-memory GX context, asking for up to 3 failing rows per expectation."""
-    context = gx.get_context(mode="ephemeral")
-    context.variables.progress_bars = ProgressBarsConfig(globally=False)
-    batch = (context.data_sources.add_pandas("corpus").add_dataframe_asset("documents")
-             .add_batch_definition_whole_dataframe("all rows"))
-    # GX 1.x only runs suites and definitions that were added to the context first.
-    suite = context.suites.add(gx.ExpectationSuite(name="corpus", expectations=expectations))
-    definition = context.validation_definitions.add(gx.ValidationDefinition(name="corpus", data=batch, suite=suite))
-    return definition.run(
-        batch_parameters={"dataframe": frame},
-        result_format={"result_format": "SUMMARY", "partial_unexpected_count": _EXAMPLES},
-    )
+    return _Suite(expectations).run(frame)
 
 
 def _result(run_result, text: pd.Series, messages: dict[str, str]) -> dict:
