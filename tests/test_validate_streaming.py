@@ -52,6 +52,18 @@ def test_the_streamed_gate_reports_what_the_whole_corpus_gate_reports(case):
     assert streamed.summary() == whole.summary()
 
 
+def test_a_bound_of_all_rows_passes_however_many_fail():
+    texts = distinct(10) * 8  # 87.5% repeats
+    gate = SourceGate(CFG.model_copy(update={"max_duplicate_fraction": 1.0}))
+    for batch in in_batches(texts, rows=7):
+        gate.add(batch)
+    duplicates = {r["name"]: r for r in gate.report().results}["duplicates"]
+    assert duplicates["success"] and duplicates["unexpected_count"] == 70
+    strict = SourceGate(CFG)
+    strict.add(pd.DataFrame({"text": pd.Series(texts, dtype=object)}))
+    assert not {r["name"]: r for r in strict.report().results}["duplicates"]["success"]
+
+
 def test_seen_hashes_finds_every_repeat_in_order_across_batches():
     rng = np.random.default_rng(0)
     values = [f"text {v}" for v in rng.integers(0, 500, size=3000)]

@@ -93,7 +93,7 @@ class Gate:
     def __init__(self, expectations: list[gxe.Expectation], messages: dict[str, str], min_rows: int):
         self.suite, self.messages, self.min_rows = _Suite(expectations), messages, min_rows
         self.rows = 0
-        self.totals = {e.meta["name"]: {"expectation": e.expectation_type, "mostly": getattr(e, "mostly", None) or 1.0,
+        self.totals = {e.meta["name"]: {"expectation": e.expectation_type, "mostly": _mostly(e),
                                         "unexpected": 0, "checked": 0, "examples": [], "error": None}
                        for e in expectations}
 
@@ -142,6 +142,12 @@ class Gate:
         return {"name": name, "expectation": total["expectation"], "success": bool(success), "observed": percent,
                 "unexpected_count": unexpected, "checked_rows": checked, "message": message,
                 "examples": total["examples"]}
+
+
+def _mostly(expectation: gxe.Expectation) -> float:
+    """The share of rows that must pass (GX: None means all; 0 means none need to)."""
+    mostly = getattr(expectation, "mostly", None)
+    return 1.0 if mostly is None else float(mostly)
 
 
 class SourceGate(Gate):
