@@ -14,7 +14,6 @@ import json
 import re
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import torch
 
@@ -22,6 +21,7 @@ from ultrathink.config import FinetuneConfig
 from ultrathink.errors import StageError
 from ultrathink.finetune.chat import ROLES, assistant, user
 from ultrathink.scoring import chat_rows
+from ultrathink.train.loader import EpochOrder, OrderedBatches
 
 EMBEDDED = "embedded"
 PROMPT, RESPONSE, MESSAGES, PROBLEM, LINE = "prompt", "response", "messages", "problem", "line"
@@ -156,35 +156,17 @@ def read_chats(path: Path) -> list[list[dict]]:
     return [json.loads(line)[MESSAGES] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-class ChatBatches:
+class ChatBatches(OrderedBatches):
     """Padded chat rows in a seeded order per epoch, for the Trainer: next() gives (x, y) with y IGNORE outside
     the answers; the position is (seed, epoch, position), so a resumed run reads the same batches."""
 
     def __init__(self, tokenizer, chats: list[list[dict]], seq_len: int, batch_size: int, seed: int):
         self.x, self.y, _ = chat_rows(tokenizer, chats, seq_len + 1, tokenizer.pad_token_id)
-        self.seq_len, self.batch_size, self.seed = seq_len, min(batch_size, len(chats)), seed
-        self.epoch, self.position = 0, 0
-        self._order = self._epoch_order()
-
-    def _epoch_order(self) -> np.ndarray:
-        return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.x))
-
-    def state_dict(self) -> dict[str, int]:
-        return {"seed": self.seed, "epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.seed, self.epoch, self.position = int(state["seed"]), int(state["epoch"]), int(state["position"])
-        self._order = self._epoch_order()
-
-    def __iter__(self):
-        return self
+        self.seq_len, self.batch_size = seq_len, min(batch_size, len(chats))
+        self.order = EpochOrder(len(self.x), seed)
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.position + self.batch_size > len(self.x):
-            self.epoch, self.position = self.epoch + 1, 0
-            self._order = self._epoch_order()
-        rows = torch.from_numpy(self._order[self.position : self.position + self.batch_size])
-        self.position += self.batch_size
+        rows = torch.from_numpy(self.order.take(self.batch_size))
         return self.x[rows], self.y[rows]
 
 
