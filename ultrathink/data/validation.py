@@ -8,6 +8,7 @@ traced back to the documents that caused them.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 
 import great_expectations as gx
@@ -82,7 +83,7 @@ def validate_cleaned(df: pd.DataFrame, principles: list[Principle], min_rows: in
     return gate.report()
 
 
-class Gate:
+class Gate(ABC):
     """A suite run batch by batch with its results summed over the whole corpus: per expectation the failing rows
     and the rows checked, the first failing examples (numbered by their row in the corpus), and the success that
     the totals give under the expectation's `mostly`. The row count is checked on the total at the end. One batch
@@ -97,9 +98,9 @@ class Gate:
                                         "unexpected": 0, "checked": 0, "examples": [], "error": None}
                        for e in expectations}
 
+    @abstractmethod
     def frame(self, df: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series]:
         """(the columns the suite checks, the text shown for a failing row)."""
-        raise NotImplementedError
 
     def add(self, df: pd.DataFrame) -> None:
         frame, shown = self.frame(df)
@@ -189,45 +190,58 @@ class CleanedGate(Gate):
 def validate_pairs(pairs: pd.DataFrame, cfg: FinetuneConfig) -> ValidationReport:
     """The fine-tuning data's own suite: every row a well-formed pair, prompt and response present, answers not
     blank, both within their length bounds, and enough pairs. `pairs` comes from ultrathink.finetune.pairs."""
-    def text(value):
-        return value if isinstance(value, str) else None  # missing fields come back from pandas as NaN
+    gate = PairsGate(cfg)
+    gate.add(pairs)
+    return gate.report()
 
-    rows = [(text(problem), text(prompt), text(response)) for problem, prompt, response
-            in zip(pairs["problem"], pairs["prompt"], pairs["response"])]
-    # A malformed row fails "well-formed rows" only (its prompt and response are not counted again).
-    frame = pd.DataFrame({
-        "well_formed": [problem is None for problem, _, _ in rows],
-        "prompt": ["x" if problem else prompt for problem, prompt, _ in rows],
-        "response": ["x" if problem else response for problem, _, response in rows],
-    }, dtype=object)
-    frame["response_chars"] = frame["response"].map(lambda r: len(r.strip()), na_action="ignore").astype(float)
-    where = [f"line {line}: " if isinstance(line, int) else "" for line in pairs.get("line", [None] * len(rows))]
-    shown = pd.Series([w + (problem or f"{prompt!r} → {response!r}") for w, (problem, prompt, response)
-                       in zip(where, rows)], dtype=object)
-    bounds = {"prompt length": ("prompt", cfg.max_prompt_chars), "response length": ("response", cfg.max_response_chars)}
-    expectations = [
-        gxe.ExpectColumnValuesToBeInSet(column="well_formed", value_set=[True], meta={"name": "well-formed rows"}),
-        gxe.ExpectColumnValuesToNotBeNull(column="prompt", meta={"name": "prompt present"}),
-        gxe.ExpectColumnValuesToNotBeNull(column="response", meta={"name": "response present"}),
-        gxe.ExpectColumnValuesToBeBetween(column="response_chars", min_value=1, meta={"name": "response not empty"}),
-        # An empty answer fails "response not empty" only.
-        *[gxe.ExpectColumnValueLengthsToBeBetween(column=column, min_value=int(column == "prompt"), max_value=limit,
-                                                  meta={"name": name}) for name, (column, limit) in bounds.items()],
-        gxe.ExpectTableRowCountToBeBetween(min_value=cfg.min_pairs, meta={"name": "row count"}),
-    ]
-    messages = {
-        "well-formed rows": "{count} of {checked} rows are not a prompt/response pair or a chat ending with an "
-        "assistant message",
-        "prompt present": f"{{count}} of {{checked}} rows have no {cfg.prompt_field!r} (finetune.prompt_field)",
-        "response present": f"{{count}} of {{checked}} rows have no {cfg.response_field!r} (finetune.response_field)",
-        "response not empty": "{count} of {checked} responses are empty or blank",
-        **{name: f"{{count}} of {{checked}} {column}s are longer than {limit} characters or empty "
-           f"(finetune.max_{column}_chars)" for name, (column, limit) in bounds.items()},
-        "row count": f"{{observed}} pairs; at least {cfg.min_pairs} are needed (finetune.min_pairs)",
-    }
-    run = _run_suite(frame, expectations)
-    results = [_result(r, shown, messages) for r in run.results]
-    return ValidationReport(success=bool(run.success), n_rows=len(frame), results=results, title="Fine-tuning pairs")
+
+class PairsGate(Gate):
+    title = "Fine-tuning pairs"
+
+    def __init__(self, cfg: FinetuneConfig):
+        bounds = {"prompt length": ("prompt", cfg.max_prompt_chars),
+                  "response length": ("response", cfg.max_response_chars)}
+        expectations = [
+            gxe.ExpectColumnValuesToBeInSet(column="well_formed", value_set=[True], meta={"name": "well-formed rows"}),
+            gxe.ExpectColumnValuesToNotBeNull(column="prompt", meta={"name": "prompt present"}),
+            gxe.ExpectColumnValuesToNotBeNull(column="response", meta={"name": "response present"}),
+            gxe.ExpectColumnValuesToBeBetween(column="response_chars", min_value=1,
+                                              meta={"name": "response not empty"}),
+            # An empty answer fails "response not empty" only.
+            *[gxe.ExpectColumnValueLengthsToBeBetween(column=column, min_value=int(column == "prompt"),
+                                                      max_value=limit, meta={"name": name})
+              for name, (column, limit) in bounds.items()],
+        ]  # and the row count, checked on the total
+        messages = {
+            "well-formed rows": "{count} of {checked} rows are not a prompt/response pair or a chat ending with an "
+            "assistant message",
+            "prompt present": f"{{count}} of {{checked}} rows have no {cfg.prompt_field!r} (finetune.prompt_field)",
+            "response present": f"{{count}} of {{checked}} rows have no {cfg.response_field!r} "
+            "(finetune.response_field)",
+            "response not empty": "{count} of {checked} responses are empty or blank",
+            **{name: f"{{count}} of {{checked}} {column}s are longer than {limit} characters or empty "
+               f"(finetune.max_{column}_chars)" for name, (column, limit) in bounds.items()},
+            "row count": f"{{observed}} pairs; at least {cfg.min_pairs} are needed (finetune.min_pairs)",
+        }
+        super().__init__(expectations, messages, cfg.min_pairs)
+
+    def frame(self, pairs: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series]:
+        def text(value):
+            return value if isinstance(value, str) else None  # missing fields come back from pandas as NaN
+
+        rows = [(text(problem), text(prompt), text(response)) for problem, prompt, response
+                in zip(pairs["problem"], pairs["prompt"], pairs["response"])]
+        # A malformed row fails "well-formed rows" only (its prompt and response are not counted again).
+        frame = pd.DataFrame({
+            "well_formed": [problem is None for problem, _, _ in rows],
+            "prompt": ["x" if problem else prompt for problem, prompt, _ in rows],
+            "response": ["x" if problem else response for problem, _, response in rows],
+        }, dtype=object)
+        frame["response_chars"] = frame["response"].map(lambda r: len(r.strip()), na_action="ignore").astype(float)
+        where = [f"line {line}: " if isinstance(line, int) else "" for line in pairs.get("line", [None] * len(rows))]
+        shown = pd.Series([w + (problem or f"{prompt!r} → {response!r}") for w, (problem, prompt, response)
+                           in zip(where, rows)], dtype=object)
+        return frame, shown
 
 
 def _violation(name: str) -> str:
@@ -311,36 +325,6 @@ class _Suite:
             batch_parameters={"dataframe": frame},
             result_format={"result_format": "SUMMARY", "partial_unexpected_count": _EXAMPLES},
         )
-
-
-def _run_suite(frame: pd.DataFrame, expectations: list[gxe.Expectation]):
-    return _Suite(expectations).run(frame)
-
-
-def _result(run_result, text: pd.Series, messages: dict[str, str]) -> dict:
-    """One expectation's outcome as plain data, with a readable message and the failing rows' texts."""
-    config = run_result.expectation_config
-    name = config.meta["name"]
-    raw = run_result.to_json_dict()
-    res, error = raw["result"], raw["exception_info"]
-    checked = res["element_count"] - res.get("missing_count", 0) if "element_count" in res else None
-    if error.get("raised_exception"):
-        message = f"could not be evaluated: {error['exception_message']}"
-    else:
-        message = messages[name].format(count=res.get("unexpected_count"), checked=checked,
-                                        percent=res.get("unexpected_percent") or 0.0,
-                                        observed=res.get("observed_value"))
-    rows = res.get("partial_unexpected_index_list", [])[:_EXAMPLES]
-    return {
-        "name": name,
-        "expectation": config.type,
-        "success": bool(raw["success"]),
-        "observed": res.get("observed_value", res.get("unexpected_percent")),
-        "unexpected_count": res.get("unexpected_count"),
-        "checked_rows": checked,
-        "message": message,
-        "examples": [{"row": int(row), "text": _clip(text[row])} for row in rows],
-    }
 
 
 def _clip(value: str | None) -> str | None:

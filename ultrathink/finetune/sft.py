@@ -20,6 +20,7 @@ from ultrathink.finetune.pairs import ChatBatches, ChatEval
 from ultrathink.lineage import code_hash
 from ultrathink.model import UltraThink
 from ultrathink.model.model import WEIGHTS_FILE
+from ultrathink.registry.champion import CHAMPION
 from ultrathink.registry.tracking import pin_model_uri
 from ultrathink.scoring import TextScore, score_conversations
 from ultrathink.text_eval import is_mlflow_uri, resolve_model
@@ -29,7 +30,6 @@ from ultrathink.train.trainer import Trainer
 # The code that determines a fine-tuned model's weights (the finetune stage's code dependencies in dvc.yaml).
 FINETUNE_CODE = ("tasks.finetune", "ultrathink.config", "ultrathink.model", "ultrathink.scoring", "ultrathink.train",
                  "ultrathink.finetune")
-CHAMPION = "champion"
 
 
 @dataclass(frozen=True)
