@@ -161,3 +161,82 @@ def test_validate_stage_writes_cleaning_report_and_fails_on_flagged_pii(tmp_path
         run(params)
     assert json.loads(Path("reports/validate.json").read_text())["cleaned"]["success"] is False
     assert list(read_shards(Path("data/validated/corpus"))) == written  # the failed run left the last good corpus
+
+
+# The shipped patterns before they were rewritten for speed (lookbehind first): the rewrite must match the same spans.
+_LOOKBEHIND_FIRST = {
+    "credit_card": [r"(?<![\d-])\d(?:[ -]?\d){12,18}(?![\d-])"],
+    "phone": [r"(?<![\w+])\+\d{1,3}(?:[ .-]\d{1,4}){2,4}(?![\w-])",
+              r"(?<![\w+(])(?:\(\d{3}\) ?|\d{3}[.-])\d{3}[.-]\d{4}(?![\w-])"],
+    "ipv4": [r"(?<![\w.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?!\.?\d)"],
+}
+_TRICKY = [f"{before}{body}{after}" for body in (VALID_CARD, "4111-1111-1111-1111", "+1 555 123 4567", "+44 20 7946 0958",
+                                                  "(555) 123-4567", "(555)123-4567", "555-123-4567", "555.123.4567",
+                                                  "192.168.0.1", "10.0.0.255", "256.1.1.1", "1.2.3.4.5")
+           for before in ("", " ", "x", "-", "+", "(", ".", "7", "é") for after in ("", " ", ".", "x", "-", "9")]
+
+
+def test_rewritten_patterns_find_what_the_lookbehind_first_ones_did(principles):
+    import re
+
+    by_name = {p.name: p for p in principles}
+    found = 0
+    for name, sources in _LOOKBEHIND_FIRST.items():
+        for detector, source in zip(by_name[name].detectors, sources, strict=True):
+            reference = re.compile(source)
+            for text in _TRICKY:
+                expected = [(m.span(), m.group()) for m in reference.finditer(text)]
+                assert [(m.span(), m.group()) for m in detector.pattern.finditer(text)] == expected, (name, text)
+                found += bool(expected)
+    assert found > 100  # the cases exercise matches, not only misses
+
+
+def test_required_characters_skip_texts_that_cannot_match(principles):
+    import re
+
+    from ultrathink.data.constitution import Detector, required_chars
+
+    assert required_chars(re.compile(r"(?<![\w.+-])[a-z]+@(?:[a-z]+\.)+[a-z]{2,}")) == "@."
+    assert required_chars(re.compile(r"a?b*(?:c|d)(?=e)(?<!f)")) == ""  # optional, alternative, lookaround: none
+    assert required_chars(re.compile(r"x{2}(y)", re.IGNORECASE)) == ""  # case-insensitive: either case may appear
+    assert required_chars(re.compile(r"x(?i:y)z")) == "xz"
+    email = {p.name: p for p in principles}["email"].detectors[0]
+    assert email.needs == "@."
+    texts = ["write to a.b@c.org now", "no at sign in a.b.c.org", "ab@cd", "x@y.zz and q@r.st"]
+    for text in texts:  # the prefilter changes speed only, never the spans
+        assert [m.group() for m in email.spans(text)] == [m.group() for m in email.pattern.finditer(text)]
+    assert Detector(re.compile("b@"), None).spans("a b@ c") and not Detector(re.compile("b@"), None).can_match("b")
+
+
+def test_cleaned_gate_flags_from_cleaning_equal_a_fresh_scan(tmp_path):
+    """apply_constitution's violation columns (changed texts rescanned, the others carried) are exactly what a scan
+    of the cleaned texts finds, including a redaction that creates a match of a later-checked principle."""
+    path = tmp_path / "c.yaml"
+    path.write_text("""
+principles:
+  - name: token
+    action: redact
+    placeholder: "darn"
+    detectors: [{regex: 'tok_[0-9]+'}]
+  - name: rude
+    action: flag
+    max_rate: 1.0
+    detectors: [{words: [darn]}]
+  - name: secret
+    action: redact
+    placeholder: "tok_1"
+    detectors: [{regex: 'pw=[a-z]+'}]
+""")
+    principles = load_constitution(path)
+    docs = ["a tok_12 here", "darn it", "pw=abc leaks", "clean", "tok_1 and pw=x", "tok_", "Darn tok_3"]
+    cleaned, _ = apply_constitution(frame(docs), principles)
+    carried = validate_cleaned(cleaned, principles, min_rows=1)
+    scanned = validate_cleaned(cleaned[["text"]], principles, min_rows=1)
+    assert carried.to_dict() == scanned.to_dict()
+    from ultrathink.data.constitution import violation_column
+
+    for p in principles:
+        assert cleaned[violation_column(p.name)].tolist() == [p.matches(t) > 0 for t in cleaned["text"]]
+    # "pw=abc" became "tok_1", which the token principle (applied earlier) now matches: the gate sees it
+    assert cleaned[violation_column("token")].tolist() == [False, False, True, False, True, False, False]
+    assert not carried.success

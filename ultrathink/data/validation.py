@@ -18,7 +18,7 @@ from great_expectations.data_context.types.base import ProgressBarsConfig
 
 from ultrathink.config import FinetuneConfig, ValidateConfig
 from ultrathink.data.cleaning import printable_ratio
-from ultrathink.data.constitution import Principle
+from ultrathink.data.constitution import Principle, violation_column
 from ultrathink.errors import StageError
 
 TEXT = "text"
@@ -172,7 +172,7 @@ class CleanedGate(Gate):
     def __init__(self, principles: list[Principle], min_rows: int):
         self.principles = principles
         expectations = [
-            gxe.ExpectColumnValuesToBeInSet(column=_violation(p.name), value_set=[False], mostly=1 - p.max_rate,
+            gxe.ExpectColumnValuesToBeInSet(column=violation_column(p.name), value_set=[False], mostly=1 - p.max_rate,
                                             meta={"name": f"constitution: {p.name}"})
             for p in principles
         ]
@@ -182,9 +182,15 @@ class CleanedGate(Gate):
         super().__init__(expectations, messages, min_rows)
 
     def frame(self, df: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series]:
+        """Each principle's flag per text: the cleaner's (apply_constitution's violation columns, exact: it scanned
+        every text as it finally is) where the corpus has them, else a scan here."""
         text = _text_column(df, first_row=self.rows)
-        return pd.DataFrame({TEXT: text, **{_violation(p.name): text.map(p.matches).gt(0)
-                                            for p in self.principles}}), text
+        flags = {}
+        for p in self.principles:
+            column = violation_column(p.name)
+            flags[column] = (df[column].reset_index(drop=True).astype(bool) if column in df
+                             else text.map(p.matches).gt(0))
+        return pd.DataFrame({TEXT: text, **flags}), text
 
 
 def validate_pairs(pairs: pd.DataFrame, cfg: FinetuneConfig) -> ValidationReport:
@@ -242,10 +248,6 @@ class PairsGate(Gate):
         shown = pd.Series([w + (problem or f"{prompt!r} → {response!r}") for w, (problem, prompt, response)
                            in zip(where, rows)], dtype=object)
         return frame, shown
-
-
-def _violation(name: str) -> str:
-    return f"violates_{name}"
 
 
 def _expectations(cfg: ValidateConfig) -> list[gxe.Expectation]:
