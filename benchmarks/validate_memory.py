@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -34,12 +35,16 @@ WORDS = ("the of and to in is that for it as with was on be by this are from or 
          "come since against go came right used take three").split()
 
 
-def write_corpus(path: Path, megabytes: float, seed: int = 0) -> tuple[int, int]:
-    """JSON lines until `megabytes` of file; returns (documents, bytes)."""
+def write_corpus(directory: Path, megabytes: float, files: int = 1, seed: int = 0) -> tuple[int, int]:
+    """JSON lines until `megabytes` of text, in `files` files of about equal size (part-NNN.jsonl, blocks of 1000
+    documents dealt in turn); returns (documents, bytes)."""
     rng = np.random.default_rng(seed)
     words = np.array(WORDS)
     target, written, documents, recent = int(megabytes * 1e6), 0, 0, []
-    with path.open("w", encoding="utf-8") as f:
+    directory.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        outs = [stack.enter_context((directory / f"part-{i:03d}.jsonl").open("w", encoding="utf-8"))
+                for i in range(files)]
         while written < target:
             lengths = rng.integers(40, 600, size=1000)
             picks = rng.integers(0, len(words), size=int(lengths.sum()))
@@ -54,7 +59,7 @@ def write_corpus(path: Path, megabytes: float, seed: int = 0) -> tuple[int, int]
                 lines.append(json.dumps({"text": text}) + "\n")
             recent = [json.loads(line)["text"] for line in lines[:50]]
             block = "".join(lines)
-            f.write(block)
+            outs[(documents // 1000) % files].write(block)
             written += len(block.encode("utf-8"))
             documents += len(lines)
     return documents, written
@@ -98,15 +103,15 @@ def run_measured(args: list[str], cwd: Path) -> tuple[float, float]:
     return seconds, int(done.stdout.split()[-1]) / 1024
 
 
-def project(tmp: Path, corpus: Path, batch_rows: int) -> Path:
+def project(tmp: Path, corpus: Path, batch_rows: int, workers: int | None) -> Path:
     """A project dir with params pointing at the corpus (the default constitution, the default checks)."""
     for name in ("constitution.yaml", "dvc.yaml"):
         shutil.copy(ROOT / name, tmp / name)
     import yaml
 
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["data"].update(source=str(corpus), max_samples=None)
-    params["validate"].update(batch_rows=batch_rows, max_duplicate_fraction=0.3)
+    params["data"].update(source=f"{corpus}/*.jsonl", max_samples=None)
+    params["validate"].update(batch_rows=batch_rows, max_duplicate_fraction=0.3, workers=workers)
     params["tokenizer"]["vocab_size"] = 4096
     (tmp / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     return tmp
@@ -116,6 +121,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mb", type=float, default=200.0, help="corpus size in MB of JSON lines")
     parser.add_argument("--batch-rows", type=int, default=10_000)
+    parser.add_argument("--files", type=int, default=8, help="the corpus is this many JSON-lines files (the parts "
+                        "that validate's tasks share)")
+    parser.add_argument("--workers", type=int, default=None, help="validate.workers (default: all cores)")
     parser.add_argument("--compare", action="store_true", help="also run the in-memory path")
     parser.add_argument("--prepare", action="store_true", help="also train a tokenizer on a sample and prepare")
     parser.add_argument("--keep", type=Path, default=None, help="work here instead of a temp dir (kept)")
@@ -125,12 +133,12 @@ def main() -> None:
     python = sys.executable
     env_note = f"{os.cpu_count()} cores"
     try:
-        corpus = work / "raw.jsonl"
+        corpus = work / "raw"
         started = time.perf_counter()
-        documents, size = write_corpus(corpus, args.mb)
-        print(f"corpus: {size / 1e6:,.0f} MB, {documents:,} documents (written in {time.perf_counter() - started:.0f} s); "
-              f"{env_note}")
-        root = project(work, corpus, args.batch_rows)
+        documents, size = write_corpus(corpus, args.mb, args.files)
+        print(f"corpus: {size / 1e6:,.0f} MB, {documents:,} documents in {args.files} files (written in "
+              f"{time.perf_counter() - started:.0f} s); {env_note}; validate.workers {args.workers or 'all cores'}")
+        root = project(work, corpus, args.batch_rows, args.workers)
         rows = []
         seconds, rss = run_measured([python, "-m", "tasks.validate"], root)
         rows.append(("validate (bounded: batches, shards)", seconds, rss))

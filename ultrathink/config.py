@@ -103,6 +103,12 @@ class ValidateConfig(Section):
     batch_rows: int = Field(10_000, ge=1, description="documents read, checked, cleaned and written at a time: the "
                             "stage's memory follows this, not the corpus size")
     shard_mb: float = Field(128.0, gt=0, description="megabytes of text per shard of the validated corpus")
+    executor: Literal["local", "ray"] = Field(
+        "local", description="datatrove executor of the gate-and-clean tasks: local processes on this machine, or a "
+        "Ray cluster (pip install ray; RAY_ADDRESS names the cluster, else a local one is started)")
+    tasks: int | None = Field(None, ge=1, description="tasks the corpus's parts (one per file of a glob) are dealt "
+                              "to; null: one per part")
+    workers: int | None = Field(None, ge=1, description="tasks run at once; null: all cores (local) or all tasks (ray)")
 
     @model_validator(mode="after")
     def _bounds_ordered(self) -> "ValidateConfig":

@@ -101,7 +101,10 @@ class SeenHashes:
 
     def add(self, texts: list[str]) -> np.ndarray:
         """For each text, in order: whether it repeats an earlier one (of this batch or any before); all are added."""
-        hashes = text_hashes(texts)
+        return self.add_hashes(text_hashes(texts))
+
+    def add_hashes(self, hashes: np.ndarray) -> np.ndarray:
+        """`add` for texts already hashed with `text_hashes`."""
         distinct, first, where = np.unique(hashes, return_index=True, return_inverse=True)
         repeats = np.ones(len(hashes), dtype=bool)
         repeats[first] = False

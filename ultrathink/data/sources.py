@@ -83,6 +83,21 @@ def corpus_batches(cfg: DataConfig, root: Path, rows: int) -> Iterator[pd.DataFr
         yield _frame(batch)
 
 
+def corpus_parts(cfg: DataConfig, root: Path) -> list[DataConfig]:
+    """The corpus as parts that can be read apart, in corpus order: one per file of a local file or glob source,
+    else the whole corpus as one part (a hub dataset, a saved dataset, the embedded corpus, a mixture, or a
+    `max_samples` limit, which counts from the corpus's start). Each part is a DataConfig for `corpus_batches`."""
+    if cfg.mixture or cfg.max_samples is not None or cfg.source == EMBEDDED or cfg.source.startswith(HUB_PREFIX):
+        return [cfg]
+    path = Path(root) / cfg.source
+    if not _GLOB_CHARS.search(cfg.source):
+        return [cfg]
+    files = sorted(f for f in glob.glob(str(path), recursive=True) if Path(f).is_file())
+    if len(files) < 2 or len({Path(f).suffix.lower() for f in files}) > 1:
+        return [cfg]  # the whole glob, so that reading it reports a missing file or mixed formats as before
+    return [cfg.model_copy(update={"source": str(Path(f).resolve())}) for f in files]
+
+
 def read_source(spec: SourceSpec, root: Path, limit: int | None = None) -> list[str | None]:
     """The first `limit` texts (all when None) of one source, in the source's own order."""
     return list(islice(iter_source(spec, root), limit))

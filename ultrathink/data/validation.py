@@ -22,7 +22,7 @@ from ultrathink.data.constitution import Principle, violation_column
 from ultrathink.errors import StageError
 
 TEXT = "text"
-_DUPLICATE = "repeats_earlier_row"
+REPEATS = "repeats_earlier_row"  # True/False per text (None for a null one), given or computed by SourceGate
 _PRINTABLE = "printable_ratio"
 _EXAMPLES = 3
 _EXAMPLE_CHARS = 80
@@ -92,11 +92,35 @@ class Gate(ABC):
     title = "Corpus"
 
     def __init__(self, expectations: list[gxe.Expectation], messages: dict[str, str], min_rows: int):
-        self.suite, self.messages, self.min_rows = _Suite(expectations), messages, min_rows
+        self.expectations, self.messages, self.min_rows = expectations, messages, min_rows
+        self.suite: _Suite | None = None  # built when the first rows come (a gate that only absorbs needs none)
+        self.reset()
+
+    def reset(self) -> None:
+        """Start counting anew (the suite is kept: building it is the expensive part)."""
         self.rows = 0
         self.totals = {e.meta["name"]: {"expectation": e.expectation_type, "mostly": _mostly(e),
                                         "unexpected": 0, "checked": 0, "examples": [], "error": None}
-                       for e in expectations}
+                       for e in self.expectations}
+
+    def state(self) -> dict:
+        """The counts so far, as JSON data: what a part of the corpus checked elsewhere hands to `absorb`."""
+        return {"rows": self.rows, "totals": self.totals}
+
+    def absorb(self, state: dict, rows_follow: bool = True) -> None:
+        """Add the counts of a part checked by another gate of the same suite (or a subset of it). With
+        `rows_follow`, the part's rows come after this gate's (its examples are renumbered and its rows counted);
+        without, the part counted the same rows (another subset of the suite) and its numbering stands."""
+        offset = self.rows if rows_follow else 0
+        for name, theirs in state["totals"].items():
+            total = self.totals[name]
+            total["unexpected"] += theirs["unexpected"]
+            total["checked"] += theirs["checked"]
+            total["error"] = total["error"] or theirs["error"]
+            room = _EXAMPLES - len(total["examples"])
+            total["examples"] += [{**e, "row": e["row"] + offset} for e in theirs["examples"][: max(room, 0)]]
+        if rows_follow:
+            self.rows += state["rows"]
 
     @abstractmethod
     def frame(self, df: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series]:
@@ -105,6 +129,7 @@ class Gate(ABC):
     def add(self, df: pd.DataFrame) -> None:
         frame, shown = self.frame(df)
         if len(frame) and self.totals:
+            self.suite = self.suite or _Suite(self.expectations)
             for run_result in self.suite.run(frame).results:
                 self._count(run_result, shown)
         self.rows += len(frame)
@@ -155,15 +180,26 @@ class SourceGate(Gate):
     """The suite on the source as loaded (validate's first gate). A repeat is found across batches by a hash of
     each text (ultrathink.data.cleaning.SeenHashes: 8 bytes per distinct text, not the texts)."""
 
-    def __init__(self, cfg: ValidateConfig):
+    def __init__(self, cfg: ValidateConfig, checks: set[str] | None = None):
+        """`checks`: the names of the expectations to run (default: all). The validate stage's parts run all but
+        "duplicates", which needs the whole corpus's order and is run where the parts are put together, on a
+        `REPEATS` column."""
         from ultrathink.data.cleaning import SeenHashes
 
-        super().__init__(_expectations(cfg), _messages(cfg), cfg.min_rows)
+        chosen = [e for e in _expectations(cfg) if checks is None or e.meta["name"] in checks]
+        if checks is not None and len(chosen) != len(checks):
+            raise ValueError(f"unknown checks {sorted(checks - {e.meta['name'] for e in chosen})}")
+        super().__init__(chosen, _messages(cfg), cfg.min_rows)
         self.seen = SeenHashes()
 
     def frame(self, df: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series]:
         text = _text_column(df, first_row=self.rows)
-        return _with_helper_columns(text, self.seen), text
+        return _with_helper_columns(text, self.seen, df.get(REPEATS)), text
+
+
+def source_check_names(cfg: ValidateConfig) -> list[str]:
+    """The source suite's expectations by name, in suite order (the row count comes after them)."""
+    return [e.meta["name"] for e in _expectations(cfg)]
 
 
 class CleanedGate(Gate):
@@ -259,7 +295,7 @@ def _expectations(cfg: ValidateConfig) -> list[gxe.Expectation]:
             meta={"name": "text length"}),
         # Rows flagged True repeat an earlier row, so the unexpected share is exactly the duplicate fraction.
         gxe.ExpectColumnValuesToBeInSet(
-            column=_DUPLICATE, value_set=[False], mostly=1 - cfg.max_duplicate_fraction, meta={"name": "duplicates"}),
+            column=REPEATS, value_set=[False], mostly=1 - cfg.max_duplicate_fraction, meta={"name": "duplicates"}),
         gxe.ExpectColumnValuesToBeBetween(
             column=_PRINTABLE, min_value=cfg.min_printable_ratio, meta={"name": "printable characters"}),
     ]  # and the row count, checked on the total (Gate.report)
@@ -295,15 +331,19 @@ def _text_column(df: pd.DataFrame, first_row: int = 0) -> pd.Series:
     return text
 
 
-def _with_helper_columns(text: pd.Series, seen) -> pd.DataFrame:
+def _with_helper_columns(text: pd.Series, seen, repeats: pd.Series | None = None) -> pd.DataFrame:
     """Add the per-row facts the suite checks; null texts get null helpers so only the not-null check fails them.
-    `seen` (SeenHashes) holds the texts of earlier batches, so a repeat is found across the whole corpus."""
+    `seen` (SeenHashes) holds the texts of earlier batches, so a repeat is found across the whole corpus, unless
+    `repeats` already says which rows repeat an earlier one."""
     present = text.notna()
-    repeats = pd.Series(False, index=text.index, dtype=object)
-    repeats[present] = seen.add(text[present].tolist())
+    if repeats is None:
+        repeats = pd.Series(False, index=text.index, dtype=object)
+        repeats[present] = seen.add(text[present].tolist())
+    else:
+        repeats = repeats.reset_index(drop=True).astype(object)
     return pd.DataFrame({
         TEXT: text,
-        _DUPLICATE: repeats.where(present, None),
+        REPEATS: repeats.where(present, None),
         _PRINTABLE: text.map(printable_ratio, na_action="ignore").astype(float),
     })
 
