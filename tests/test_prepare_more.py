@@ -38,7 +38,7 @@ def test_streaming_and_eager_sources_give_identical_token_files(tmp_path, tokeni
         corpus = write_jsonl(tmp_path / f"corpus-{streaming}.jsonl", texts)
         out = tmp_path / f"prep-{streaming}"
         prepare_splits(corpus, tokenizer_dir, PrepareConfig(val_fraction=0.2, workers=1), out)
-        outputs.append({name: (out / name).read_bytes() for name in ("train.bin", "val.bin", "meta.json")})
+        outputs.append({name: (out / name).read_bytes() for name in ("train-00000.bin", "val-00000.bin", "meta.json")})
     assert outputs[0] == outputs[1]
 
 
@@ -47,7 +47,7 @@ def test_process_pool_output_equals_in_process(tmp_path, tokenizer_dir):
     one = prepare_splits(corpus, tokenizer_dir, PrepareConfig(val_fraction=0.2, batch_size=7, workers=1), tmp_path / "a")
     two = prepare_splits(corpus, tokenizer_dir, PrepareConfig(val_fraction=0.2, batch_size=7, workers=2), tmp_path / "b")
     assert one == two
-    for name in ("train.bin", "val.bin"):
+    for name in ("train-00000.bin", "val-00000.bin"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
 
 
@@ -94,7 +94,7 @@ def test_val_text_holds_exactly_what_val_bin_encodes(tmp_path, tokenizer_dir):
     docs = val_documents(tmp_path / "prep")
     assert len(docs) == meta["val"]["documents"] and sum(len(d.encode()) for d in docs) == meta["val"]["bytes"]
     stream = encode_documents(load_tokenizer(tokenizer_dir), docs)
-    assert stream[1:].tolist() == load_split(tmp_path / "prep", "val").tolist()
+    assert stream[1:].tolist() == load_split(tmp_path / "prep", "val")[:].tolist()
     assert meta["tokenizer_sha256"] == tokenizer_hash(tokenizer_dir)
     first_two = val_documents(tmp_path / "prep", max_bytes=len(docs[0].encode()) + len(docs[1].encode()))
     assert first_two == docs[:2] and val_documents(tmp_path / "prep", max_bytes=1) == docs[:1]
@@ -111,8 +111,12 @@ def test_long_documents_are_encoded_in_pieces_with_the_same_ids(tokenizer_dir):
     assert _pieces("x" * 100, 10) == ["x" * 100]  # no line start to cut at: stays whole
 
 
-def write_split(prep, name, ids):
-    np.array(ids, dtype=np.uint16).tofile(prep / f"{name}.bin")
+def write_split(prep, name, *shards):
+    """Token files of one split, one per list of ids; their entry in meta.json."""
+    for number, ids in enumerate(shards):
+        np.array(ids, dtype=np.uint16).tofile(prep / f"{name}-{number:05d}.bin")
+    return {"tokens": sum(map(len, shards)),
+            "shards": [{"file": f"{name}-{n:05d}.bin", "tokens": len(ids)} for n, ids in enumerate(shards)]}
 
 
 def test_token_checks_name_each_failure_and_write_the_report(tmp_path, tokenizer_dir):
@@ -120,19 +124,61 @@ def test_token_checks_name_each_failure_and_write_the_report(tmp_path, tokenizer
     prep, report_dir = tmp_path / "prep", tmp_path / "report"
     prep.mkdir()
     doc = tok("Document 1", add_special_tokens=False)["input_ids"]
-    write_split(prep, "train", [5, 6, 0, 0, *doc, 0, 999, 0])  # an empty document, a shared one, an id ≥ vocab
-    write_split(prep, "val", [*doc, 0, 7])  # a shared document, no final EOS
+    # an empty document, a shared one, an id ≥ vocab; a shard that ends inside a document
+    train = write_split(prep, "train", [5, 6, 0, 0, 9], [9, 0, *doc, 0, 999, 0])
+    val = write_split(prep, "val", [*doc, 0, 7])  # a shared document, no final EOS
     meta = {"dtype": "uint16", "vocab_size": 320, "eos_id": 0,
-            "train": {"documents": 4}, "val": {"documents": 1}}
+            "train": {"documents": 5, **train}, "val": {"documents": 1, **val}}
     with pytest.raises(TokenCheckError) as info:
         check_token_files(prep, meta, tok, report_dir)
     assert str(info.value).splitlines() == [
         "token checks FAILED:",
         " - train: ids below vocab size: 1 ids ≥ 320 (largest 999)",
         " - train: no empty documents: 1 empty documents (EOS right after EOS)",
+        " - train: shards end at document ends: 2 shard(s); 1 end inside a document",
         " - val: ends with EOS: the last document has no EOS: the file is truncated",
         " - train/val: no shared documents: 1 documents are in both splits"]
     report = json.loads((report_dir / "token_report.json").read_text())
     assert report["success"] is False and report["checks"][-1]["examples"] == ["Document 1"]
-    assert report["splits"]["train"]["documents"] == 4 and report["splits"]["train"]["max_id"] == 999
+    assert report["splits"]["train"]["documents"] == 5 and report["splits"]["train"]["max_id"] == 999
     assert "Token checks FAILED" in (report_dir / "token_report.html").read_text()
+
+
+def test_token_files_in_shards_read_as_one_split(tmp_path, tokenizer_dir):
+    """A small prepare.shard_tokens gives several files per split, each starting at a document; read through
+    load_split they are the one-file split id for id (slices across files included), so the loader's batches and
+    its resumable order do not change."""
+    from ultrathink.train.loader import TokenWindows
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS * 4)
+    one = prepare_splits(corpus, tokenizer_dir, PrepareConfig(val_fraction=0.2, batch_size=7, workers=1),
+                         tmp_path / "one", report_dir=tmp_path / "r1")
+    many = prepare_splits(corpus, tokenizer_dir, PrepareConfig(val_fraction=0.2, batch_size=7, workers=1,
+                                                               shard_tokens=100), tmp_path / "many",
+                          report_dir=tmp_path / "r2")
+    assert len(one["train"]["shards"]) == 1 and len(many["train"]["shards"]) > 5
+    assert {k: v for k, v in many["train"].items() if k != "shards"} == {
+        k: v for k, v in one["train"].items() if k != "shards"}
+    eos = one["eos_id"]
+    for split in ("train", "val"):
+        whole, sharded = load_split(tmp_path / "one", split), load_split(tmp_path / "many", split)
+        assert len(sharded) == len(whole) and np.array_equal(np.asarray(sharded), np.asarray(whole))
+        assert all(int(f[-1]) == eos and f.flags.writeable is False for f in sharded.files)
+        assert all(shard["tokens"] >= 100 for shard in many[split]["shards"][:-1])  # rolled over at the bound
+        ends = np.cumsum([len(f) for f in sharded.files])
+        for cut in ends[:3]:  # slices that cross a file boundary, an id at each side of it, negative ids
+            assert np.array_equal(sharded[cut - 5 : cut + 5], whole[cut - 5 : cut + 5])
+            assert sharded[int(cut)] == whole[int(cut)] and sharded[-1] == whole[-1] == eos
+    a, b = (TokenWindows(load_split(tmp_path / d, "train"), 16, 4, seed=3) for d in ("one", "many"))
+    for _ in range(30):
+        (xa, ya), (xb, yb) = next(a), next(b)
+        assert torch_equal(xa, xb) and torch_equal(ya, yb)
+    checks = json.loads((tmp_path / "r2" / "token_report.json").read_text())["checks"]
+    assert {c["name"]: c["success"] for c in checks}["train: shards end at document ends"]
+    (tmp_path / "many" / many["train"]["shards"][2]["file"]).write_bytes(b"\0\0")  # a shard cut short
+    with pytest.raises(ValueError, match="train-00002.bin holds 1 tokens, meta.json says"):
+        load_split(tmp_path / "many", "train")
+
+
+def torch_equal(a, b) -> bool:
+    return bool((a == b).all())

@@ -74,6 +74,7 @@ def test_load_tokenizer_names_a_missing_dir(tmp_path):
 
 def split_docs(tokens: np.ndarray, eos_id: int, tok) -> list[str]:
     """Decode a packed file back into its documents, using EOS as the separator."""
+    tokens = np.asarray(tokens)
     ends = np.flatnonzero(tokens == eos_id)
     starts = np.concatenate([[0], ends[:-1] + 1])
     return [tok.decode(tokens[s:e].tolist()) for s, e in zip(starts, ends)]
@@ -92,10 +93,11 @@ def test_packing_counts_splits_and_separates_documents(tmp_path, tokenizer_dir, 
 
     for split, expected in (("train", expected_train), ("val", expected_val)):
         tokens = load_split(tmp_path / "prep", split)
-        assert tokens.dtype == np.uint16 and not tokens.flags.writeable
+        assert tokens.dtype == np.uint16 and not any(f.flags.writeable for f in tokens.files)
         n_tokens = sum(len(tok(d, add_special_tokens=False)["input_ids"]) + 1 for d in expected)
         assert meta[split] == {
-            "tokens": n_tokens, "documents": len(expected), "bytes": sum(len(d.encode("utf-8")) for d in expected)}
+            "tokens": n_tokens, "documents": len(expected), "bytes": sum(len(d.encode("utf-8")) for d in expected),
+            "shards": [{"file": f"{split}-00000.bin", "tokens": n_tokens}]}
         assert len(tokens) == n_tokens and tokens[-1] == tok.eos_token_id
         assert split_docs(tokens, tok.eos_token_id, tok) == expected  # one EOS after each document, in order
 
@@ -111,9 +113,9 @@ def test_packing_is_deterministic_and_replaces_output(tmp_path, tokenizer_dir, d
     (tmp_path / "b" / "stale.bin").write_bytes(b"old")
     second = prepare_splits(corpus, tokenizer_dir, PrepareConfig(val_fraction=0.2, batch_size=3), tmp_path / "b")
     assert first == second
-    for name in ("train.bin", "val.bin", "meta.json"):
+    for name in ("train-00000.bin", "val-00000.bin", "meta.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
-    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["meta.json", "train.bin", "val.bin", "val.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["meta.json", "train-00000.bin", "val-00000.bin", "val.jsonl"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "corpus.jsonl"]
 
 

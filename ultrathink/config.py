@@ -137,6 +137,8 @@ class PrepareConfig(Section):
         "hash", description="hash: a document's split follows from a hash of its text; tail: the last val_fraction "
         "of the corpus (by characters, cut at a line start inside the straddling document) is val")
     workers: int | None = Field(None, ge=1, description="tokenizer processes (default: all cores; 1: in-process)")
+    shard_tokens: int = Field(1 << 28, ge=1, description="tokens per file of a split (train-00000.bin, ...); a file "
+                              "ends at a document's end, so it may hold a little more")
     report_dir: str = Field("reports/prepare", min_length=1,
                             description="token-level checks of the packed files: token_report.json and .html")
 

@@ -81,7 +81,9 @@ def read_yardstick(jsonl: str) -> Yardstick:
 def unigram_cross_entropy(train_tokens: np.ndarray, val_tokens: np.ndarray, vocab_size: int) -> float:
     """Loss (nats/token) on val of a model that knows only train's token frequencies (add-one smoothed): the
     floor any model that uses context has to beat."""
-    counts = np.bincount(train_tokens, minlength=vocab_size).astype(np.float64) + 1.0
+    counts = np.ones(vocab_size, dtype=np.float64)
+    for start in range(0, len(train_tokens), 1 << 24):  # a chunk at a time: the train split may exceed memory
+        counts += np.bincount(np.asarray(train_tokens[start : start + (1 << 24)]), minlength=vocab_size)
     log_probs = np.log(counts / counts.sum())
     return float(-log_probs[np.asarray(val_tokens)].mean())
 

@@ -83,13 +83,14 @@ class _Batch:
 
 def prepare_splits(corpus: Path, tokenizer_dir: Path, cfg: PrepareConfig, out_dir: Path,
                    report_dir: Path | None = None) -> dict:
-    """Write train.bin, val.bin and meta.json into `out_dir` (replaced as a whole at the end); return the meta.
+    """Write each split's token files (train-00000.bin, ...; a new one every `prepare.shard_tokens`), val.jsonl and
+    meta.json into `out_dir` (replaced as a whole at the end); return the meta.
 
     meta.json: dtype, vocab_size, eos_id, val_fraction, split (hash|tail) with moved_last_document_to (hash: the
     split that received the last document because hashing left it empty, else None) or cut_document/cut_offset
-    (tail), and per split: tokens, bytes (UTF-8 bytes of the documents' text, the bits-per-byte denominator) and
-    documents, and tokenizer_sha256 (ultrathink.tokenizer.tokenizer_hash). val.jsonl holds the text of the val
-    documents (the cut document's val part is one), each as encoded into val.bin. The token files are checked before they replace `out_dir` (ids < vocab, no empty documents, no
+    (tail), and per split: tokens, bytes (UTF-8 bytes of the documents' text, the bits-per-byte denominator),
+    documents and shards (its files in order, each with its tokens), and tokenizer_sha256 (ultrathink.tokenizer.tokenizer_hash). val.jsonl holds the text of the val
+    documents (the cut document's val part is one), each as encoded into the val files. The token files are checked before they replace `out_dir` (ids < vocab, no empty documents, no
     document in both splits); the check's report goes to `report_dir` when given, and a failed check raises
     TokenCheckError, leaving `out_dir` untouched.
     """
@@ -148,16 +149,66 @@ def read_meta(prepared_dir: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def load_split(prepared_dir: Path, split: str) -> np.memmap:
-    """One split's token ids, memory-mapped read-only with the dtype recorded in meta.json."""
+def load_split(prepared_dir: Path, split: str) -> "TokenShards":
+    """One split's token ids: its shard files, memory-mapped read-only with the dtype recorded in meta.json, read as
+    one sequence. (A directory from before sharding has one `<split>.bin`; it reads the same way.)"""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
-    meta = read_meta(prepared_dir)
-    tokens = np.memmap(Path(prepared_dir) / f"{split}.bin", dtype=meta["dtype"], mode="r")
-    if len(tokens) != meta[split]["tokens"]:
-        raise ValueError(f"{prepared_dir}/{split}.bin holds {len(tokens)} tokens, meta.json says "
-                         f"{meta[split]['tokens']}: the files do not belong together; re-run prepare")
-    return tokens
+    return open_split(prepared_dir, read_meta(prepared_dir), split)
+
+
+def open_split(prepared_dir: Path, meta: dict, split: str) -> "TokenShards":
+    """`load_split` with the meta already read (prepare checks its files before it writes meta.json)."""
+    shards = meta[split].get("shards") or [{"file": f"{split}.bin", "tokens": meta[split]["tokens"]}]
+    files = []
+    for shard in shards:
+        path = Path(prepared_dir) / shard["file"]
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: listed in meta.json but missing; re-run prepare")
+        tokens = np.memmap(path, dtype=meta["dtype"], mode="r") if path.stat().st_size else np.empty(0, meta["dtype"])
+        if len(tokens) != shard["tokens"]:
+            raise ValueError(f"{path} holds {len(tokens)} tokens, meta.json says {shard['tokens']}: the files do not "
+                             "belong together; re-run prepare")
+        files.append(tokens)
+    return TokenShards(files, np.dtype(meta["dtype"]))
+
+
+class TokenShards:
+    """A split's token files read as one sequence of ids: `len`, an id, or a slice (which may cross files). The files
+    are memory-mapped, so a reader (each rank of a run) pages in only the windows it slices, from whichever
+    shards hold them; every shard starts at a document's first token."""
+
+    def __init__(self, files: list[np.ndarray], dtype: np.dtype):
+        self.files, self.dtype = files, dtype
+        self.ends = np.cumsum([len(f) for f in files], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step != 1:
+                raise ValueError("token shards are sliced contiguously (step 1)")
+            pieces = []
+            while start < stop:
+                shard = int(np.searchsorted(self.ends, start, side="right"))
+                base = int(self.ends[shard]) - len(self.files[shard])
+                end = min(stop, int(self.ends[shard]))
+                pieces.append(self.files[shard][start - base : end - base])
+                start = end
+            if len(pieces) == 1:
+                return pieces[0]
+            return np.concatenate(pieces) if pieces else np.empty(0, dtype=self.dtype)
+        index = int(key) + (len(self) if int(key) < 0 else 0)
+        if not 0 <= index < len(self):
+            raise IndexError(f"token {key} of {len(self)}")
+        shard = int(np.searchsorted(self.ends, index, side="right"))
+        return self.files[shard][index - (int(self.ends[shard]) - len(self.files[shard]))]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        whole = self[:]
+        return np.asarray(whole) if dtype is None else whole.astype(dtype)
 
 
 def val_documents(prepared_dir: Path, max_bytes: int | None = None) -> list[str]:
@@ -217,7 +268,7 @@ def _write_token_files(corpus: Path, plan: SplitPlan, cfg: PrepareConfig, tokeni
     """Second pass: encode batches in worker processes, in order, appending each split's ids to its file."""
     workers = cfg.workers or os.cpu_count() or 1
     with ExitStack() as stack:
-        files = {split: stack.enter_context(open(out / f"{split}.bin", "wb")) for split in SPLITS}
+        files = {split: stack.enter_context(_ShardedTokenFile(out, split, cfg.shard_tokens)) for split in SPLITS}
         val_text = stack.enter_context(open(out / VAL_TEXT_FILE, "w", encoding="utf-8"))
         bar = stack.enter_context(tqdm(total=text_bytes(corpus), unit="B", unit_scale=True,
                                        desc="prepare", disable=None))
@@ -225,7 +276,7 @@ def _write_token_files(corpus: Path, plan: SplitPlan, cfg: PrepareConfig, tokeni
         pending = ""  # val text of a document whose last piece is still to come
         for batch, encoded in _encode_in_order(batches, tokenizer_dir, dtype, workers, stack):
             for split, (ids, counts) in zip(SPLITS, encoded):
-                files[split].write(ids.tobytes())
+                files[split].write(ids)
                 for key, value in counts.items():
                     stats[split][key] += value
             for text, is_val, ends in zip(batch.texts, batch.in_val, batch.ends):
@@ -234,6 +285,38 @@ def _write_token_files(corpus: Path, plan: SplitPlan, cfg: PrepareConfig, tokeni
                     if ends:
                         val_text.write(json.dumps({"text": pending}, ensure_ascii=False) + "\n")
                         pending = ""
+    for split in SPLITS:
+        stats[split]["shards"] = files[split].shards
+
+
+class _ShardedTokenFile:
+    """One split's ids appended batch by batch to `<split>-NNNNN.bin`, a new file once the current one holds
+    `shard_tokens` (batches end at document ends, so every shard starts at a document's first token)."""
+
+    def __init__(self, out: Path, split: str, shard_tokens: int):
+        self.out, self.split, self.shard_tokens = out, split, shard_tokens
+        self.shards: list[dict] = []
+        self._file = None
+
+    def write(self, ids: np.ndarray) -> None:
+        if self._file is None or (len(ids) and self.shards[-1]["tokens"] >= self.shard_tokens):
+            self._start()
+        self._file.write(ids.tobytes())
+        self.shards[-1]["tokens"] += len(ids)
+
+    def _start(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        name = f"{self.split}-{len(self.shards):05d}.bin"
+        self._file = open(self.out / name, "wb")
+        self.shards.append({"file": name, "tokens": 0})
+
+    def __enter__(self) -> "_ShardedTokenFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._file is not None:
+            self._file.close()
 
 
 def _batches(corpus: Path, plan: SplitPlan, size: int, progress) -> Iterator[_Batch]:

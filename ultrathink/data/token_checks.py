@@ -1,7 +1,7 @@
 """Token-level checks of the packed files, after prepare: cheap, read straight from the written files.
 
-Per split: every id is below the vocabulary size, the file ends with EOS, no document is empty (two EOS in a row),
-and the document count matches the meta. Across splits: no document (compared by a hash of its token ids) is in
+Per split: every id is below the vocabulary size, the split ends with EOS and so does each of its shard files, no
+document is empty (two EOS in a row), and the document count matches the meta. Across splits: no document (compared by a hash of its token ids) is in
 both train and val. The outcome goes to token_report.json and a small token_report.html; a failure raises
 TokenCheckError naming each failed check.
 """
@@ -28,9 +28,10 @@ class TokenCheckError(StageError):
 
 
 def check_token_files(prepared: Path, meta: dict, tokenizer, report_dir: Path | None = None) -> dict:
-    """Check train.bin and val.bin in `prepared` against `meta`; write the report to `report_dir` if given."""
-    files = {split: np.memmap(Path(prepared) / f"{split}.bin", dtype=meta["dtype"], mode="r")
-             for split in ("train", "val")}
+    """Check the train and val token files in `prepared` against `meta`; write the report to `report_dir` if given."""
+    from ultrathink.data.packing import open_split
+
+    files = {split: open_split(prepared, meta, split) for split in ("train", "val")}
     splits = {split: _split_facts(tokens, meta["vocab_size"], meta["eos_id"]) for split, tokens in files.items()}
     (train_hashes, _), (val_hashes, val_starts) = splits["train"].pop("_docs"), splits["val"].pop("_docs")
     shared, _, in_val = np.intersect1d(train_hashes, val_hashes, return_indices=True)
@@ -48,6 +49,11 @@ def check_token_files(prepared: Path, meta: dict, tokenizer, report_dir: Path | 
                    f"{facts['empty_documents']} empty documents (EOS right after EOS)"),
             _check(f"{split}: document count", facts["documents"] == meta[split]["documents"],
                    f"{facts['documents']} documents in the file, meta.json says {meta[split]['documents']}"),
+            _check(f"{split}: shards end at document ends", not facts["shards_cut_inside_a_document"],
+                   f"{len(files[split].files)} shard(s); "
+                   + (f"{facts['shards_cut_inside_a_document']} end inside a document"
+                      if facts["shards_cut_inside_a_document"] else "each ends with EOS, so a reader of a shard "
+                      "reads whole documents")),
         ]
     checks.append(_check("train/val: no shared documents", len(shared) == 0,
                          f"{len(shared)} documents are in both splits", examples))
@@ -83,6 +89,8 @@ def _split_facts(tokens: np.ndarray, vocab_size: int, eos_id: int) -> dict:
         "empty_documents": int((lengths == 0).sum()),
         "ends_with_eos": bool(len(tokens)) and int(tokens[-1]) == eos_id,
         "mean_document_tokens": round(float(lengths.mean()), 2) if len(ends) else 0.0,
+        # the split's last shard is the split's end: "ends with EOS" checks it
+        "shards_cut_inside_a_document": sum(len(f) > 0 and int(f[-1]) != eos_id for f in tokens.files[:-1]),
         "_docs": (_document_hashes(tokens, starts, ends), starts),
     }
 
