@@ -2,8 +2,8 @@
 in-memory path the validate stage had before (load the corpus as one DataFrame, run the suite on it, clean it, write
 one JSON-lines file) on a corpus both can handle.
 
-    python benchmarks/validate_memory.py --mb 200 --compare       # both paths side by side
-    python benchmarks/validate_memory.py --mb 4000                 # the bounded path alone, 4 GB
+    python benchmarks/validate_memory.py --mb 300 --compare --prepare   # both paths side by side
+    python benchmarks/validate_memory.py --mb 4000 --prepare            # the bounded path alone, 4 GB
 
 Each path runs in its own process (the real stage code: tasks.validate, tasks.prepare), so its peak RSS is its own;
 prepare's tokenizer workers are processes too, and the largest of them is reported. The corpus: JSON lines of
@@ -141,7 +141,7 @@ def main() -> None:
         root = project(work, corpus, args.batch_rows, args.workers)
         rows = []
         seconds, rss = run_measured([python, "-m", "tasks.validate"], root)
-        rows.append(("validate (bounded: batches, shards)", seconds, rss))
+        rows.append(("validate (datatrove tasks, batches, shards)", seconds, rss))
         if args.prepare:
             sample = [python, "-c", "from pathlib import Path; from itertools import islice; "
                       "from ultrathink.config import load_params; from ultrathink.data.packing import read_texts; "
@@ -154,7 +154,10 @@ def main() -> None:
         if args.compare:
             seconds, rss = run_measured([python, "-c", IN_MEMORY], root)
             rows.append(("validate, in memory (the path before)", seconds, rss))
-        print(f"\n| stage | seconds | MB/s | peak RSS (MB) |\n|---|---|---|---|")
+        if args.prepare:
+            both = rows[0][1] + rows[1][1]
+            rows.insert(2, ("validate + prepare", both, max(rows[0][2], rows[1][2])))
+        print(f"\n| stage | seconds | MB/s | peak RSS of the largest process (MB) |\n|---|---|---|---|")
         for name, seconds, rss in rows:
             print(f"| {name} | {seconds:.1f} | {size / 1e6 / seconds:.1f} | {rss:,.0f} |")
     finally:

@@ -194,7 +194,7 @@ class SourceGate(Gate):
 
     def frame(self, df: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series]:
         text = _text_column(df, first_row=self.rows)
-        return _with_helper_columns(text, self.seen, df.get(REPEATS)), text
+        return _with_helper_columns(text, self.seen, df.get(REPEATS), helpers=set(self.totals)), text
 
 
 def source_check_names(cfg: ValidateConfig) -> list[str]:
@@ -331,21 +331,23 @@ def _text_column(df: pd.DataFrame, first_row: int = 0) -> pd.Series:
     return text
 
 
-def _with_helper_columns(text: pd.Series, seen, repeats: pd.Series | None = None) -> pd.DataFrame:
-    """Add the per-row facts the suite checks; null texts get null helpers so only the not-null check fails them.
-    `seen` (SeenHashes) holds the texts of earlier batches, so a repeat is found across the whole corpus, unless
-    `repeats` already says which rows repeat an earlier one."""
+def _with_helper_columns(text: pd.Series, seen, repeats: pd.Series | None = None,
+                         helpers: set[str] = frozenset({"duplicates", "printable characters"})) -> pd.DataFrame:
+    """Add the per-row facts the suite checks (those of the expectations named in `helpers`); null texts get null
+    helpers so only the not-null check fails them. `seen` (SeenHashes) holds the texts of earlier batches, so a repeat
+    is found across the whole corpus, unless `repeats` already says which rows repeat an earlier one."""
     present = text.notna()
-    if repeats is None:
-        repeats = pd.Series(False, index=text.index, dtype=object)
-        repeats[present] = seen.add(text[present].tolist())
-    else:
-        repeats = repeats.reset_index(drop=True).astype(object)
-    return pd.DataFrame({
-        TEXT: text,
-        REPEATS: repeats.where(present, None),
-        _PRINTABLE: text.map(printable_ratio, na_action="ignore").astype(float),
-    })
+    frame = pd.DataFrame({TEXT: text})
+    if "duplicates" in helpers:
+        if repeats is None:
+            repeats = pd.Series(False, index=text.index, dtype=object)
+            repeats[present] = seen.add(text[present].tolist())
+        else:
+            repeats = repeats.reset_index(drop=True).astype(object)
+        frame[REPEATS] = repeats.where(present, None)
+    if "printable characters" in helpers:
+        frame[_PRINTABLE] = text.map(printable_ratio, na_action="ignore").astype(float)
+    return frame
 
 
 class _Suite:
