@@ -88,3 +88,19 @@ def test_invalid_utf8_txt_names_the_file(tmp_path):
     (tmp_path / "c.txt").write_bytes(b"ok\n\nbad \xff byte")
     with pytest.raises(CorpusError, match=r"c\.txt: not valid UTF-8 at byte 8"):
         load_corpus(DataConfig(source="c.txt"), root=tmp_path)
+
+
+@pytest.mark.parametrize("unit", ["paragraph", "line"])
+def test_txt_read_a_line_at_a_time_equals_splitting_the_whole_text(tmp_path, unit):
+    import random
+
+    from ultrathink.data.sources import split_documents
+
+    pieces = ["word", "two words", " ", "\t", "\n", "\n", "\r\n", "\r", "\x0c", "\u2028", "é", "  \n  "]
+    rng = random.Random(0)
+    for case in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
+        path = tmp_path / f"c{case}.txt"
+        path.write_bytes(text.encode("utf-8"))
+        whole = split_documents(path.read_text(encoding="utf-8"), unit)  # universal newlines, as before
+        assert load_corpus(DataConfig(source=path.name, txt_unit=unit), root=tmp_path)["text"].tolist() == whole, text

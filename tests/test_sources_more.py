@@ -125,3 +125,16 @@ def test_mixture_component_too_small_for_its_weight(tmp_path):
     with pytest.raises(CorpusError, match=r"source 'a.jsonl' has 30 documents; its weight asks for 75 of "
                                           r"data.max_samples=100"):
         load_corpus(DataConfig(mixture=mixture, max_samples=100), root=tmp_path)
+
+
+def test_a_mixture_in_batches_is_the_mixture_drawn_whole(tmp_path):
+    from ultrathink.data.sources import corpus_batches
+
+    mixture = mixture_files(tmp_path)
+    for cfg in (DataConfig(mixture=mixture, seed=4), DataConfig(mixture=mixture, max_samples=20, seed=1)):
+        whole = load_corpus(cfg, root=tmp_path)
+        batches = list(corpus_batches(cfg, tmp_path, rows=3))
+        assert max(len(b) for b in batches) == 3
+        joined = pd.concat(batches, ignore_index=True)
+        assert joined["text"].tolist() == whole["text"].tolist()
+        assert joined["source"].tolist() == whole["source"].tolist()

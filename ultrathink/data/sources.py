@@ -70,12 +70,13 @@ def load_corpus(cfg: DataConfig, root: Path = Path(".")) -> pd.DataFrame:
 
 def corpus_batches(cfg: DataConfig, root: Path, rows: int) -> Iterator[pd.DataFrame]:
     """The corpus of `load_corpus`, as DataFrames of at most `rows` rows, read lazily: a single source is never
-    held whole (dataset files are streamed, `max_samples` stops reading). A mixture is drawn in memory first (its
-    weighted draw needs each component's size), then cut into batches."""
+    held whole (dataset files are streamed, .txt files read a line at a time, `max_samples` stops reading), nor is a
+    mixture (its weighted draw reads each component twice: once to count, once to draw)."""
     if cfg.mixture:
-        corpus = _load_mixture(cfg, Path(root))
-        for start in range(0, len(corpus), rows):
-            yield corpus.iloc[start : start + rows].reset_index(drop=True)
+        mixed = _mixture_rows(cfg, Path(root), streaming=True)
+        while batch := list(islice(mixed, rows)):
+            texts, sources = zip(*batch)
+            yield _frame(list(texts), list(sources))
         return
     spec = SourceSpec(cfg.source, cfg.text_column, cfg.hf_config, cfg.split, True, cfg.txt_unit)
     texts = islice(iter_source(spec, Path(root)), cfg.max_samples)
@@ -147,31 +148,41 @@ def _frame(texts: list[str | None], sources: list[str] | None = None) -> pd.Data
 # ---- mixtures ---------------------------------------------------------------------------------------------------
 
 def _load_mixture(cfg: DataConfig, root: Path) -> pd.DataFrame:
+    texts, sources = [], []
+    for text, source in _mixture_rows(cfg, root, cfg.streaming):
+        texts.append(text)
+        sources.append(source)
+    return _frame(texts, sources)
+
+
+def _mixture_rows(cfg: DataConfig, root: Path, streaming: bool) -> Iterator[tuple[str | None, str]]:
     """Weighted mixture without repeats: each component gives its first n_i documents, n_i ∝ weight, and the
-    documents are interleaved in an order drawn from `cfg.seed`.
+    documents are interleaved in an order drawn from `cfg.seed`. Yields (text, source), reading each component as
+    it is consumed: a first pass counts (up to n_i) and a second draws, so no component is held in memory.
 
     With `max_samples` N, n_i = round(N·w_i/Σw) and a component with fewer documents is an error. Without it the
     mixture is as large as the scarcest component allows (relative to its weight), so no document repeats.
     """
     specs = [SourceSpec(m.source, m.text_column or cfg.text_column, m.hf_config, m.split or cfg.split,
-                        cfg.streaming, cfg.txt_unit) for m in cfg.mixture]
+                        streaming, cfg.txt_unit) for m in cfg.mixture]
     shares = np.array([m.weight for m in cfg.mixture], dtype=float)
     shares /= shares.sum()
     if cfg.max_samples is not None:
         counts = np.rint(shares * cfg.max_samples).astype(int)
-        texts = [read_source(spec, root, int(n)) for spec, n in zip(specs, counts)]
-        for spec, n, got in zip(specs, counts, texts):
-            if len(got) < n:
-                raise CorpusError(f"data.mixture: source {spec.source!r} has {len(got)} documents; its weight asks "
+        for spec, n in zip(specs, counts):
+            got = sum(1 for _ in islice(iter_source(spec, root), int(n)))
+            if got < n:
+                raise CorpusError(f"data.mixture: source {spec.source!r} has {got} documents; its weight asks "
                                   f"for {n} of data.max_samples={cfg.max_samples}")
     else:
-        texts = [read_source(spec, root) for spec in specs]
-        total = min(len(t) / s for t, s in zip(texts, shares))
+        sizes = [sum(1 for _ in iter_source(spec, root)) for spec in specs]
+        total = min(size / share for size, share in zip(sizes, shares))
         counts = np.floor(shares * total + 1e-9).astype(int)
     labels = np.repeat(np.arange(len(specs)), counts)
     np.random.default_rng(cfg.seed).shuffle(labels)
-    taken = [iter(t) for t in texts]
-    return _frame([next(taken[i]) for i in labels], [specs[i].source for i in labels])
+    taken = [iter_source(spec, root) for spec in specs]
+    for i in labels:
+        yield next(taken[i]), specs[i].source
 
 
 # ---- Hugging Face hub -------------------------------------------------------------------------------------------
@@ -226,12 +237,39 @@ def _read_local(spec: SourceSpec, root: Path) -> Iterator[str | None]:
     raise CorpusError(f"{files[0]}: unsupported corpus format {suffix!r}; supported: {', '.join(SUPPORTED_SUFFIXES)}")
 
 
-def _read_txt(path: Path, unit: str) -> list[str]:
-    """A plain UTF-8 text file, split into documents by `unit` (paragraphs: as the embedded corpus)."""
+def _read_txt(path: Path, unit: str) -> Iterator[str]:
+    """A plain UTF-8 text file, split into documents by `unit` (paragraphs: as the embedded corpus). Paragraphs and
+    lines are read a line at a time, so a file larger than memory streams; they equal `split_documents` of the
+    whole text (a paragraph ends at a line holding only whitespace)."""
+    if unit == "file":
+        yield from split_documents(_decode(path.read_bytes(), path, 0), unit)
+        return
+    if unit not in ("paragraph", "line"):
+        raise ValueError(f"unknown txt unit {unit!r}; expected paragraph, line or file")
+    paragraph: list[str] = []
+    offset = 0
+    with path.open("rb") as raw_lines:
+        for raw in raw_lines:  # b"\n" never occurs inside a UTF-8 character
+            text = _decode(raw, path, offset).replace("\r\n", "\n").replace("\r", "\n")  # as universal newlines
+            offset += len(raw)
+            lines = text.split("\n")
+            for line in lines[:-1] if text.endswith("\n") else lines:
+                if unit == "line":
+                    yield from split_documents(line, "line")
+                elif line.strip():
+                    paragraph.append(line)
+                elif paragraph:
+                    yield "\n".join(paragraph).strip()
+                    paragraph = []
+    if paragraph:
+        yield "\n".join(paragraph).strip()
+
+
+def _decode(raw: bytes, path: Path, offset: int) -> str:
     try:
-        return split_documents(path.read_text(encoding="utf-8"), unit)
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise CorpusError(f"{path}: not valid UTF-8 at byte {exc.start}: {exc.reason}") from None
+        raise CorpusError(f"{path}: not valid UTF-8 at byte {offset + exc.start}: {exc.reason}") from None
 
 
 def _read_files(files: list[Path], builder: str, spec: SourceSpec) -> Iterator[str | None]:
