@@ -107,7 +107,7 @@ class ValidateConfig(Section):
         "local", description="datatrove executor of the gate-and-clean tasks: local processes on this machine, or a "
         "Ray cluster (pip install ray; RAY_ADDRESS names the cluster, else a local one is started)")
     tasks: int | None = Field(None, ge=1, description="tasks the corpus's parts (one per file of a glob) are dealt "
-                              "to; null: one per part")
+                              "to (at most one per part); null: four per worker")
     workers: int | None = Field(None, ge=1, description="tasks run at once; null: all cores (local) or all tasks (ray)")
 
     @model_validator(mode="after")

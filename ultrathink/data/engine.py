@@ -122,8 +122,10 @@ def validate_in_parts(params: Params, out: Path) -> tuple[ValidationReport, Vali
     for stale in work.parent.glob("*") if work.parent.is_dir() else []:
         if stale != work:  # left by a failed run of other inputs: it can never be reused
             shutil.rmtree(stale, ignore_errors=True)
-    executor = data_executor(cfg, [CleanParts(params, parts, str(work), str(root))],
-                             tasks=min(len(parts), cfg.tasks or len(parts)), logging_dir=work / "logs")
+    # Each task builds its GX suite once; four per worker balance the load without one suite per file of a huge glob.
+    tasks = min(len(parts), cfg.tasks or 4 * (cfg.workers or os.cpu_count() or 1))
+    executor = data_executor(cfg, [CleanParts(params, parts, str(work), str(root))], tasks=tasks,
+                             logging_dir=work / "logs")
     executor.run()  # a local task's error (a file that cannot be read) comes out here, naming the file
     unfinished = [part.source for index, part in enumerate(parts)
                   if not Path(_part_files(work, index)["counts"]).exists()]

@@ -1,4 +1,4 @@
-"""Tokenized train/val splits as flat token files that the trainer memory-maps.
+"""Tokenized train/val splits as flat token files (in shards) that the trainer reads window by window.
 
 Every document is encoded without special tokens and followed by one EOS id; documents are concatenated. Two ways to
 choose the split (`prepare.split`):
@@ -150,8 +150,9 @@ def read_meta(prepared_dir: Path) -> dict:
 
 
 def load_split(prepared_dir: Path, split: str) -> "TokenShards":
-    """One split's token ids: its shard files, memory-mapped read-only with the dtype recorded in meta.json, read as
-    one sequence. (A directory from before sharding has one `<split>.bin`; it reads the same way.)"""
+    """One split's token ids: its shard files, with the dtype recorded in meta.json, read as one sequence (a file's
+    size must match its count in meta.json). A directory from before sharding has one `<split>.bin`; it reads the
+    same way."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
     return open_split(prepared_dir, read_meta(prepared_dir), split)
@@ -160,27 +161,29 @@ def load_split(prepared_dir: Path, split: str) -> "TokenShards":
 def open_split(prepared_dir: Path, meta: dict, split: str) -> "TokenShards":
     """`load_split` with the meta already read (prepare checks its files before it writes meta.json)."""
     shards = meta[split].get("shards") or [{"file": f"{split}.bin", "tokens": meta[split]["tokens"]}]
-    files = []
+    dtype = np.dtype(meta["dtype"])
+    paths = []
     for shard in shards:
         path = Path(prepared_dir) / shard["file"]
         if not path.is_file():
             raise FileNotFoundError(f"{path}: listed in meta.json but missing; re-run prepare")
-        tokens = np.memmap(path, dtype=meta["dtype"], mode="r") if path.stat().st_size else np.empty(0, meta["dtype"])
-        if len(tokens) != shard["tokens"]:
-            raise ValueError(f"{path} holds {len(tokens)} tokens, meta.json says {shard['tokens']}: the files do not "
+        tokens = path.stat().st_size // dtype.itemsize
+        if tokens != shard["tokens"] or path.stat().st_size % dtype.itemsize:
+            raise ValueError(f"{path} holds {tokens} tokens, meta.json says {shard['tokens']}: the files do not "
                              "belong together; re-run prepare")
-        files.append(tokens)
-    return TokenShards(files, np.dtype(meta["dtype"]))
+        paths.append(path)
+    return TokenShards(paths, [s["tokens"] for s in shards], dtype)
 
 
 class TokenShards:
-    """A split's token files read as one sequence of ids: `len`, an id, or a slice (which may cross files). The files
-    are memory-mapped, so a reader (each rank of a run) pages in only the windows it slices, from whichever
-    shards hold them; every shard starts at a document's first token."""
+    """A split's token files read as one sequence of ids: `len`, an id, or a slice (which may cross files). A slice
+    is read from the files when asked (a copy, not a memory map), so a reader, each rank of a run, holds only the
+    windows it reads, from whichever shards hold them, and a scan of the whole split (the token checks) stays at one
+    chunk of memory. Every shard starts at a document's first token."""
 
-    def __init__(self, files: list[np.ndarray], dtype: np.dtype):
-        self.files, self.dtype = files, dtype
-        self.ends = np.cumsum([len(f) for f in files], dtype=np.int64)
+    def __init__(self, paths: list[Path], lengths: list[int], dtype: np.dtype):
+        self.paths, self.lengths, self.dtype = list(paths), list(lengths), np.dtype(dtype)
+        self.ends = np.cumsum(self.lengths, dtype=np.int64)
 
     def __len__(self) -> int:
         return int(self.ends[-1]) if len(self.ends) else 0
@@ -193,9 +196,10 @@ class TokenShards:
             pieces = []
             while start < stop:
                 shard = int(np.searchsorted(self.ends, start, side="right"))
-                base = int(self.ends[shard]) - len(self.files[shard])
+                base = int(self.ends[shard]) - self.lengths[shard]
                 end = min(stop, int(self.ends[shard]))
-                pieces.append(self.files[shard][start - base : end - base])
+                pieces.append(np.fromfile(self.paths[shard], dtype=self.dtype, count=end - start,
+                                          offset=(start - base) * self.dtype.itemsize))
                 start = end
             if len(pieces) == 1:
                 return pieces[0]
@@ -203,12 +207,11 @@ class TokenShards:
         index = int(key) + (len(self) if int(key) < 0 else 0)
         if not 0 <= index < len(self):
             raise IndexError(f"token {key} of {len(self)}")
-        shard = int(np.searchsorted(self.ends, index, side="right"))
-        return self.files[shard][index - (int(self.ends[shard]) - len(self.files[shard]))]
+        return self[index : index + 1][0]
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         whole = self[:]
-        return np.asarray(whole) if dtype is None else whole.astype(dtype)
+        return whole if dtype is None else whole.astype(dtype)
 
 
 def val_documents(prepared_dir: Path, max_bytes: int | None = None) -> list[str]:

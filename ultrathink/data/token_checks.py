@@ -50,7 +50,7 @@ def check_token_files(prepared: Path, meta: dict, tokenizer, report_dir: Path | 
             _check(f"{split}: document count", facts["documents"] == meta[split]["documents"],
                    f"{facts['documents']} documents in the file, meta.json says {meta[split]['documents']}"),
             _check(f"{split}: shards end at document ends", not facts["shards_cut_inside_a_document"],
-                   f"{len(files[split].files)} shard(s); "
+                   f"{len(files[split].paths)} shard(s); "
                    + (f"{facts['shards_cut_inside_a_document']} end inside a document"
                       if facts["shards_cut_inside_a_document"] else "each ends with EOS, so a reader of a shard "
                       "reads whole documents")),
@@ -90,7 +90,8 @@ def _split_facts(tokens: np.ndarray, vocab_size: int, eos_id: int) -> dict:
         "ends_with_eos": bool(len(tokens)) and int(tokens[-1]) == eos_id,
         "mean_document_tokens": round(float(lengths.mean()), 2) if len(ends) else 0.0,
         # the split's last shard is the split's end: "ends with EOS" checks it
-        "shards_cut_inside_a_document": sum(len(f) > 0 and int(f[-1]) != eos_id for f in tokens.files[:-1]),
+        "shards_cut_inside_a_document": sum(length > 0 and int(tokens[int(end) - 1]) != eos_id
+                                            for length, end in zip(tokens.lengths[:-1], tokens.ends[:-1])),
         "_docs": (_document_hashes(tokens, starts, ends), starts),
     }
 
