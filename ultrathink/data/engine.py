@@ -44,7 +44,7 @@ from ultrathink.data.cleaning import SeenHashes, clean_corpus, text_hashes
 from ultrathink.data.constitution import Principle, load_constitution, violation_column
 from ultrathink.data.shards import ShardWriter
 from ultrathink.data.sources import SOURCE, TEXT, corpus_batches, corpus_parts
-from ultrathink.data.validation import (REPEATS, CleanedGate, SourceGate, ValidationReport, _clip,
+from ultrathink.data.validation import (REPEATS, CleanedGate, SourceGate, ValidationReport, clip_example,
                                         source_check_names)
 
 HASH = "hash"
@@ -208,7 +208,7 @@ def _raw_rows(batch: pd.DataFrame) -> pa.Table:
     present = text.notna().to_numpy()
     hashes = np.zeros(len(text), dtype=np.uint64)
     hashes[present] = text_hashes(text[present].tolist())
-    return pa.table({HASH: pa.array(hashes, mask=~present), PREVIEW: pa.array([_clip(t) for t in text],
+    return pa.table({HASH: pa.array(hashes, mask=~present), PREVIEW: pa.array([clip_example(t) for t in text],
                                                                               type=pa.string())})
 
 

@@ -145,7 +145,7 @@ class Gate(ABC):
         total["checked"] += res["element_count"] - res.get("missing_count", 0)
         room = _EXAMPLES - len(total["examples"])
         for row in res.get("partial_unexpected_index_list", [])[: max(room, 0)]:
-            total["examples"].append({"row": self.rows + int(row), "text": _clip(shown[row])})
+            total["examples"].append({"row": self.rows + int(row), "text": clip_example(shown[row])})
 
     def report(self) -> ValidationReport:
         results = [self._result(name, total) for name, total in self.totals.items()]
@@ -371,7 +371,7 @@ class _Suite:
         )
 
 
-def _clip(value: str | None) -> str | None:
+def clip_example(value: str | None) -> str | None:
     """At most 80 characters, with an ellipsis when cut, so one huge document cannot flood the report."""
     if value is None or len(value) <= _EXAMPLE_CHARS:
         return value
