@@ -169,10 +169,19 @@ _LOOKBEHIND_FIRST = {
     "phone": [r"(?<![\w+])\+\d{1,3}(?:[ .-]\d{1,4}){2,4}(?![\w-])",
               r"(?<![\w+(])(?:\(\d{3}\) ?|\d{3}[.-])\d{3}[.-]\d{4}(?![\w-])"],
     "ipv4": [r"(?<![\w.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?!\.?\d)"],
+    "secret": [r"\b(?:sk-[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{36,}|xox[abprs]-[A-Za-z0-9-]{10,}"
+               r"|AIza[0-9A-Za-z_-]{35})\b",
+               r"(?i)\b(?:api[_-]?key|secret[_-]?key|access[_-]?token|auth[_-]?token|password)\s*[:=]\s*['\"]?"
+               r"[A-Za-z0-9/+_.-]{16,}['\"]?"],
+    "spam": [r"(?i)(?<!\w)(?:work\ from\ home\ and\ earn|claim\ your\ prize|buy\ followers|casino\ bonus|cialis|"
+             r"viagra)(?!\w)"],
 }
 _TRICKY = [f"{before}{body}{after}" for body in (VALID_CARD, "4111-1111-1111-1111", "+1 555 123 4567", "+44 20 7946 0958",
                                                   "(555) 123-4567", "(555)123-4567", "555-123-4567", "555.123.4567",
-                                                  "192.168.0.1", "10.0.0.255", "256.1.1.1", "1.2.3.4.5")
+                                                  "192.168.0.1", "10.0.0.255", "256.1.1.1", "1.2.3.4.5",
+                                                  "sk-" + "a" * 24, "AKIA" + "B" * 16, "ghp_" + "c" * 36,
+                                                  "xoxb-1234567890ab", "AIza" + "d" * 35, "API_KEY = 'x" + "y" * 20,
+                                                  "Password: " + "z" * 16, "VIAGRA", "casino bonus", "Cialis")
            for before in ("", " ", "x", "-", "+", "(", ".", "7", "é") for after in ("", " ", ".", "x", "-", "9")]
 
 
