@@ -3,8 +3,8 @@
 The stage list comes from dvc.yaml (ultrathink.pipeline.stage_order), and each stage runs through DVC
 (`dvc repro --single-item <stage>`), so DVC still decides what is stale, records dvc.lock, and skips what is
 unchanged: after a flow run `dvc status` is clean. Prefect adds the run page, logs, a markdown summary, and retries
-for the stages where a retry is safe: promote and promote_finetuned, whose registration is idempotent (the same run and weights are the
-same registered version) and whose alias move is a locked compare-and-set, so a store hiccup (SQLite busy, a server
+for the stages where a retry is safe: promote and promote_finetuned, whose registration is idempotent (the same run
+and weights are the same registered version) and whose alias move is a locked compare-and-set, so a store hiccup (SQLite busy, a server
 restart) does not fail a nightly run. Other stages are not retried: a failure there is the data's or the code's, and
 running it again would fail the same way. Prefect's own result cache stays off: two caches that can disagree are
 worse than one.
@@ -60,8 +60,8 @@ def summary_markdown(results: list[dict], root: Path, params) -> str:
 @flow(name="ultrathink-pipeline", log_prints=True)
 def pipeline(root: str = ".") -> list[dict]:
     """validate → tokenizer → prepare → train → evaluate → promote → finetune → promote_finetuned (the last two do
-    something only with finetune.enabled), each only if stale. A failed stage fails the
-    flow, so nothing after it (promotion included) runs."""
+    something only with finetune.enabled), each only if stale. A failed stage fails the flow, so nothing after it
+    (promotion included) runs."""
     params = load_params(Path(root) / "params.yaml")  # bad params fail here, before any work
     results = [reproduce.with_options(retries=RETRIES.get(name, 0), retry_delay_seconds=RETRY_DELAY_SECONDS)(name, root)
                for name in stage_order(root)]

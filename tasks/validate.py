@@ -10,6 +10,12 @@ Ray), then put together in corpus order, where duplicates are found by hash (ult
 results are summed over batches and parts (ultrathink.data.validation.Gate). The shards are written beside the output
 and replace it only when both gates pass, so a failed corpus leaves no output that looks complete."""
 
+import hashlib
+import tempfile
+from pathlib import Path
+
+from filelock import FileLock
+
 from ultrathink.cli import stage_entry
 from ultrathink.config import Params
 from ultrathink.data.constitution import load_constitution
@@ -22,7 +28,7 @@ def run(params: Params) -> None:
     path = params.constitution.path
     if path:
         load_constitution(path)  # a broken constitution fails before any data is read
-    with atomic_dir(params.paths.validated_corpus) as out:
+    with run_lock(params.paths.validated_corpus), atomic_dir(params.paths.validated_corpus) as out:
         report, checked, rest = validate_in_parts(params, out)
         if not report.success:
             atomic_write_json(params.paths.validate_report, report.to_dict())
@@ -36,6 +42,13 @@ def run(params: Params) -> None:
           f"{cleaning['documents_kept']} of {cleaning['documents_in']} documents kept "
           f"({cleaning['duplicates_removed']} duplicates removed) in {rest['shards']} shard(s), "
           f"{rest['bytes']:,} bytes")
+
+
+def run_lock(output: str) -> FileLock:
+    """One validate at a time per output: two at once would share the work directory of the same inputs (and the
+    first to finish removes it). The lock file lives in the temp dir, not in the project."""
+    key = hashlib.sha256(str(Path(output).resolve()).encode()).hexdigest()[:16]
+    return FileLock(Path(tempfile.gettempdir()) / f"ultrathink-validate-{key}.lock")
 
 
 if __name__ == "__main__":

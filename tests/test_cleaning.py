@@ -176,8 +176,9 @@ _LOOKBEHIND_FIRST = {
     "spam": [r"(?i)(?<!\w)(?:work\ from\ home\ and\ earn|claim\ your\ prize|buy\ followers|casino\ bonus|cialis|"
              r"viagra)(?!\w)"],
 }
-_TRICKY = [f"{before}{body}{after}" for body in (VALID_CARD, "4111-1111-1111-1111", "+1 555 123 4567", "+44 20 7946 0958",
-                                                  "(555) 123-4567", "(555)123-4567", "555-123-4567", "555.123.4567",
+_TRICKY = [f"{before}{body}{after}" for body in (VALID_CARD, "4111-1111-1111-1111", "+1 555 123 4567",
+                                                  "+44 20 7946 0958", "(555) 123-4567", "(555)123-4567",
+                                                  "555-123-4567", "555.123.4567",
                                                   "192.168.0.1", "10.0.0.255", "256.1.1.1", "1.2.3.4.5",
                                                   "sk-" + "a" * 24, "AKIA" + "B" * 16, "ghp_" + "c" * 36,
                                                   "xoxb-1234567890ab", "AIza" + "d" * 35, "API_KEY = 'x" + "y" * 20,

@@ -138,7 +138,8 @@ def test_a_failed_task_names_its_file_and_the_next_run_redoes_only_unfinished_pa
         run_stage(tmp_path, monkeypatch, tasks=4, workers=1, max_duplicate_fraction=0.3)
     (tmp_path / "raw/part0.jsonl").write_text((tmp_path / "raw/part0.jsonl").read_text() + "\n")
     flaky.write_bytes(good_bytes)
-    assert run_stage(tmp_path, monkeypatch, tasks=4, workers=1, max_duplicate_fraction=0.3)["cleaning"]["documents_in"] == len(GOOD)
+    report = run_stage(tmp_path, monkeypatch, tasks=4, workers=1, max_duplicate_fraction=0.3)
+    assert report["cleaning"]["documents_in"] == len(GOOD)
     assert len(list((tmp_path / "data/validated").glob(".*"))) == 0
 
 
@@ -172,3 +173,62 @@ def test_the_ray_executor_writes_the_shards_the_local_one_does(tmp_path, monkeyp
     (local_files, local_report), (ray_files, ray_report) = outputs
     assert ray_files == local_files and len(local_files) > 2
     assert ray_report == local_report and local_report["cleaning"]["duplicates_removed"] == 22
+
+
+def test_the_work_directory_follows_every_file_the_corpus_is_read_from(tmp_path, monkeypatch):
+    """A part finished before a kill is reused only for the same inputs: editing any file read (a one-file glob,
+    a file of a saved dataset, a mixture component) gives another work directory."""
+    import time
+
+    from ultrathink.data.engine import _work_dir
+
+    monkeypatch.chdir(tmp_path)
+    write_glob(tmp_path, distinct(20), files=1)
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "state.json").write_text("{}")
+    (saved / "data-00000.arrow").write_bytes(b"x")
+    out = tmp_path / "data/validated/corpus"
+    for data, edited in (({"source": "raw/*.jsonl"}, tmp_path / "raw/part0.jsonl"),
+                         ({"source": "saved"}, saved / "data-00000.arrow"),
+                         ({"mixture": [{"source": "embedded", "weight": 1}, {"source": "saved", "weight": 1}]},
+                          saved / "data-00000.arrow")):
+        params = Params.model_validate({"data": data, "constitution": {"path": None}})
+        before = _work_dir(params, tmp_path, out)
+        assert _work_dir(params, tmp_path, out) == before  # stable for the same inputs
+        time.sleep(0.01)
+        edited.write_bytes(edited.read_bytes() + b"\n")
+        assert _work_dir(params, tmp_path, out) != before, data
+
+
+@pytest.mark.slow
+def test_a_second_run_waits_for_the_first(tmp_path):
+    """Two validate runs of one project would share the work directory of the same inputs (and the first to
+    finish removes it): a run waits while another holds the project's validate lock, then writes its corpus."""
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    from tasks.validate import run_lock
+
+    write_glob(tmp_path, GOOD)
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["data"].update(source="raw/*.jsonl", max_samples=None)
+    params["constitution"]["path"] = None
+    params["validate"].update(VALIDATE, max_duplicate_fraction=0.3, workers=1)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    (tmp_path / "dvc.yaml").write_text((ROOT / "dvc.yaml").read_text())
+    corpus = tmp_path / "data/validated/corpus"
+    with run_lock(str(corpus)):  # a first run, holding the lock
+        second = subprocess.Popen([sys.executable, "-m", "tasks.validate"], cwd=tmp_path,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        time.sleep(8)  # a run of this corpus takes ~5 s here
+        assert second.poll() is None and not corpus.exists()
+    _, err = second.communicate(timeout=300)
+    assert second.returncode == 0, err[-3000:]
+    cleaned, _ = clean_corpus(frame(GOOD), Params.model_validate({}).data, [])
+    assert list(read_shards(corpus)) == cleaned["text"].tolist()
+    assert not list((tmp_path / "data/validated").glob(".*"))

@@ -187,8 +187,8 @@ def _words_pattern(words: list[str]) -> str:
     """Whole words or phrases, any case, longest first. The lookahead on their first letters comes first: `re`
     then skips to candidate positions, where a leading lookbehind makes it try every position (43 → 55 MB/s)."""
     firsts = "".join(sorted({c for w in words for c in (w[0].lower(), w[0].upper())}))
-    return (f"(?=[{re.escape(firsts)}])(?<!\\w)(?:" + "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
-            + r")(?!\w)")
+    alternatives = "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
+    return f"(?=[{re.escape(firsts)}])(?<!\\w)(?:{alternatives})(?!\\w)"
 
 
 def load_constitution(path: str | Path) -> list[Principle]:

@@ -40,10 +40,11 @@ from datatrove.pipeline.base import PipelineStep
 
 from ultrathink.config import DataConfig, Params
 from ultrathink.errors import StageError
+from ultrathink.io import atomic_write_json
 from ultrathink.data.cleaning import SeenHashes, clean_corpus, text_hashes
 from ultrathink.data.constitution import Principle, load_constitution, violation_column
 from ultrathink.data.shards import ShardWriter
-from ultrathink.data.sources import SOURCE, TEXT, corpus_batches, corpus_parts
+from ultrathink.data.sources import SOURCE, TEXT, corpus_batches, corpus_parts, source_files
 from ultrathink.data.validation import (REPEATS, CleanedGate, SourceGate, ValidationReport, clip_example,
                                         source_check_names)
 
@@ -106,7 +107,7 @@ class CleanParts(PipelineStep):
             if Path(files[f"{name}.tmp"]).exists():
                 os.replace(files[f"{name}.tmp"], files[name])
         # last: marks the part complete
-        _write_json(files["counts"], {"gate": gate.state(), "cleaning": cleaning})
+        atomic_write_json(files["counts"], {"gate": gate.state(), "cleaning": cleaning})
 
 
 def validate_in_parts(params: Params, out: Path) -> tuple[ValidationReport, ValidationReport, dict]:
@@ -118,7 +119,7 @@ def validate_in_parts(params: Params, out: Path) -> tuple[ValidationReport, Vali
     next run of the same inputs redoes only the parts not finished; a run of other inputs removes it."""
     cfg, root = params.validate_cfg, Path.cwd()
     parts = corpus_parts(params.data, root)
-    work = _work_dir(params, parts, Path(params.paths.validated_corpus).resolve())
+    work = _work_dir(params, root, Path(params.paths.validated_corpus).resolve())
     for stale in work.parent.glob("*") if work.parent.is_dir() else []:
         if stale != work:  # left by a failed run of other inputs: it can never be reused
             shutil.rmtree(stale, ignore_errors=True)
@@ -130,9 +131,9 @@ def validate_in_parts(params: Params, out: Path) -> tuple[ValidationReport, Vali
     unfinished = [part.source for index, part in enumerate(parts)
                   if not Path(_part_files(work, index)["counts"]).exists()]
     if unfinished:  # Ray retries a failed task and logs why; it does not raise
-        raise StageError(f"validate: {len(unfinished)} of {len(parts)} parts did not finish on the "
-                         f"{cfg.executor} executor ({', '.join(unfinished[:3])}{' …' if len(unfinished) > 3 else ''}); "
-                         f"the task logs are in {work / 'logs'}; run again to redo only those")
+        named = ", ".join(unfinished[:3]) + (" …" if len(unfinished) > 3 else "")
+        raise StageError(f"validate: {len(unfinished)} of {len(parts)} parts did not finish on the {cfg.executor} "
+                         f"executor ({named}); the task logs are in {work / 'logs'}; run again to redo only those")
     try:
         return _assemble(params, len(parts), work, out)
     finally:
@@ -236,20 +237,19 @@ def _part_files(work: Path, index: int) -> dict[str, str]:
             "counts": f"{stem}.json"}
 
 
-def _work_dir(params: Params, parts: list[DataConfig], out: Path) -> Path:
+def _work_dir(params: Params, root: Path, out: Path) -> Path:
     """Where the tasks write, named by what their results depend on: the params, the constitution, the code and
-    each input file's size and time. A killed run's finished tasks are reused only when all of these match."""
+    the size and time of every file the corpus is read from. A killed run's finished parts are reused only when all
+    of these match."""
     digest = hashlib.sha256(b"".join(section.model_dump_json().encode()
                                      for section in (params.data, params.validate_cfg, params.constitution)))
     code = sorted(Path(__file__).parent.glob("*.py"))
-    inputs = [Path(params.constitution.path)] if params.constitution.path else []
+    inputs = [root / params.constitution.path] if params.constitution.path else []
     for path in code + inputs:
         digest.update(path.read_bytes())
-    for part in parts:
-        file = Path(part.source)
-        if file.is_file():
-            stat = file.stat()
-            digest.update(f"{file}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    for file in source_files(params.data, root):
+        stat = file.stat()
+        digest.update(f"{file}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     return out.parent / f".{out.name}.work" / digest.hexdigest()[:16]
 
 
@@ -258,7 +258,3 @@ def _principles(params: Params, root: Path) -> list[Principle]:
     return load_constitution(root / path) if path else []
 
 
-def _write_json(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp"
-    Path(tmp).write_text(json.dumps(data))
-    os.replace(tmp, path)

@@ -89,10 +89,11 @@ def prepare_splits(corpus: Path, tokenizer_dir: Path, cfg: PrepareConfig, out_di
     meta.json: dtype, vocab_size, eos_id, val_fraction, split (hash|tail) with moved_last_document_to (hash: the
     split that received the last document because hashing left it empty, else None) or cut_document/cut_offset
     (tail), and per split: tokens, bytes (UTF-8 bytes of the documents' text, the bits-per-byte denominator),
-    documents and shards (its files in order, each with its tokens), and tokenizer_sha256 (ultrathink.tokenizer.tokenizer_hash). val.jsonl holds the text of the val
-    documents (the cut document's val part is one), each as encoded into the val files. The token files are checked before they replace `out_dir` (ids < vocab, no empty documents, no
-    document in both splits); the check's report goes to `report_dir` when given, and a failed check raises
-    TokenCheckError, leaving `out_dir` untouched.
+    documents and shards (its files in order, each with its tokens), and tokenizer_sha256
+    (ultrathink.tokenizer.tokenizer_hash). val.jsonl holds the text of the val documents (the cut document's val part
+    is one), each as encoded into the val files. The token files are checked before they replace `out_dir` (ids <
+    vocab, no empty documents, no document in both splits, shards ending at document ends); the check's report goes
+    to `report_dir` when given, and a failed check raises TokenCheckError, leaving `out_dir` untouched.
     """
     corpus, out_dir = Path(corpus), Path(out_dir)
     tokenizer = load_tokenizer(tokenizer_dir)
@@ -167,8 +168,9 @@ def open_split(prepared_dir: Path, meta: dict, split: str) -> "TokenShards":
         path = Path(prepared_dir) / shard["file"]
         if not path.is_file():
             raise FileNotFoundError(f"{path}: listed in meta.json but missing; re-run prepare")
-        tokens = path.stat().st_size // dtype.itemsize
-        if tokens != shard["tokens"] or path.stat().st_size % dtype.itemsize:
+        size = path.stat().st_size
+        tokens = size // dtype.itemsize
+        if tokens != shard["tokens"] or size % dtype.itemsize:
             raise ValueError(f"{path} holds {tokens} tokens, meta.json says {shard['tokens']}: the files do not "
                              "belong together; re-run prepare")
         paths.append(path)

@@ -99,6 +99,23 @@ def corpus_parts(cfg: DataConfig, root: Path) -> list[DataConfig]:
     return [cfg.model_copy(update={"source": str(Path(f).resolve())}) for f in files]
 
 
+def source_files(cfg: DataConfig, root: Path) -> list[Path]:
+    """Every local file the corpus is read from (of each mixture component too): a file, a glob's files, or the
+    files of a saved dataset's directory. The hub and the embedded corpus have none."""
+    files = []
+    for source in [m.source for m in cfg.mixture] if cfg.mixture else [cfg.source]:
+        if source == EMBEDDED or source.startswith(HUB_PREFIX):
+            continue
+        path = Path(root) / source
+        found = glob.glob(str(path), recursive=True) if _GLOB_CHARS.search(source) else [path]
+        for hit in map(Path, sorted(found)):
+            if hit.is_dir():  # a saved dataset
+                files += sorted(f for f in hit.rglob("*") if f.is_file())
+            elif hit.is_file():
+                files.append(hit)
+    return files
+
+
 def read_source(spec: SourceSpec, root: Path, limit: int | None = None) -> list[str | None]:
     """The first `limit` texts (all when None) of one source, in the source's own order."""
     return list(islice(iter_source(spec, root), limit))

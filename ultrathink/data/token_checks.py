@@ -1,7 +1,8 @@
 """Token-level checks of the packed files, after prepare: cheap, read straight from the written files.
 
 Per split: every id is below the vocabulary size, the split ends with EOS and so does each of its shard files, no
-document is empty (two EOS in a row), and the document count matches the meta. Across splits: no document (compared by a hash of its token ids) is in
+document is empty (two EOS in a row), and the document count matches the meta. Across splits: no document (compared
+by a hash of its token ids) is in
 both train and val. The outcome goes to token_report.json and a small token_report.html; a failure raises
 TokenCheckError naming each failed check.
 """
