@@ -16,7 +16,7 @@ from ultrathink.evaluate import (Yardstick, bits_per_byte, encode_documents, sam
                                  unigram_cross_entropy)
 from ultrathink.io import atomic_write_json, atomic_write_text
 from ultrathink.model import UltraThink
-from ultrathink.registry.tracking import load_run_id, start_or_resume_run
+from ultrathink.registry.tracking import run_of_model, start_or_resume_run
 from ultrathink.tokenizer import load_tokenizer
 
 
@@ -44,7 +44,8 @@ def run(params: Params) -> None:
     samples = sample_generations(model, tokenizer, cfg)
     history = json.loads((model_dir / "history.json").read_text())
 
-    with start_or_resume_run(params.registry.experiment, Path("."), load_run_id(model_dir)) as run:
+    with start_or_resume_run(params.registry.experiment, Path("."),
+                             run_of_model(model_dir, Path(p.train_run), params.registry.experiment, Path("."))) as run:
         mlflow.log_metrics(metrics)
         mlflow.log_dict(samples, "eval/samples.json")
     atomic_write_json(p.metrics, {**metrics,

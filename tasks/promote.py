@@ -12,7 +12,7 @@ from ultrathink.evaluate import Yardstick
 from ultrathink.io import atomic_write_json
 from ultrathink.lineage import lineage_tags
 from ultrathink.registry.promote import promote
-from ultrathink.registry.tracking import load_run_id
+from ultrathink.registry.tracking import run_of_model
 from ultrathink.train.warm_start import LINEAGE_FILE
 
 
@@ -32,7 +32,8 @@ def run(params: Params) -> None:
     yardstick = Yardstick(tuple(val_documents(Path(p.prepared_dir), params.evaluate.max_val_bytes)))
     measured = metrics.get("val_bpb") if metrics.get("yardstick_sha256") == yardstick.sha256 else None
     decision = promote(model_dir, Path(p.tokenizer_dir), yardstick, params.registry, params.evaluate,
-                       {**lineage_tags(params), **model_lineage(model_dir)}, load_run_id(model_dir), Path("."),
+                       {**lineage_tags(params), **model_lineage(model_dir)}, run_of_model(model_dir, Path(p.train_run), params.registry.experiment, Path(".")),
+                       Path("."),
                        known_bpb=measured)
     decision["yardstick"]["source"] = f"{p.prepared_dir}/{VAL_TEXT_FILE}"
     atomic_write_json(p.promotion, decision)

@@ -12,22 +12,25 @@ import mlflow
 import torch
 
 from ultrathink.cli import stage_entry
-from ultrathink.config import Params
+from ultrathink.config import Budget, Params
+from ultrathink.hashing import json_hash
 from ultrathink.data.packing import load_split, read_meta
 from ultrathink.io import atomic_dir, atomic_write_json
 from ultrathink.lineage import code_hash, directory_hash, lineage_tags
 from ultrathink.model import UltraThink
+from ultrathink.model.model import WEIGHTS_FILE
+from ultrathink.model.kernels import label
 from ultrathink.registry.tracking import (MetricSinks, StepMetrics, TensorBoardScalars, load_run_id, pin_model_uri,
                                          save_run_id, start_or_resume_run)
 from ultrathink.text_eval import is_mlflow_uri, resolve_model
 from ultrathink.tokenizer import tokenizer_hash
-from ultrathink.train.budget import Plan, apply_plan, make_plan
-from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
+from ultrathink.train.checkpoint import CheckpointManager, Fingerprint, sha256
 from ultrathink.train.distributed import Distributed, setup
 from ultrathink.train.loader import TokenWindows
+from ultrathink.train.plan import Decided, Plan, PlanBook, apply_plan, plan_run
 from ultrathink.train.sizing import Sizing
 from ultrathink.train.precision import keep_freed_host_memory
-from ultrathink.train.trainer import Trainer
+from ultrathink.train.trainer import Deadline, Trainer
 from ultrathink.train.warm_start import (LINEAGE_FILE, Parent, WarmStartError, check_optimizer, find_parent,
                                         load_parent_weights)
 
@@ -66,10 +69,11 @@ def resolve_parent(ref: str, model_dir: Path) -> Parent:
     return find_parent(Path(ref), ref)
 
 
-def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[Trainer, Parent | None, Plan]:
+def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[Trainer, Parent | None, Decided]:
     """The model (warm-started when train.init_from says so, after checking that the parent fits), its data and
-    the checkpoint folder of exactly this configuration; the plan that says how many steps (train.budget) and, under
-    model.size auto, what shape — recorded in that folder, so a resumed run takes the same plan."""
+    the checkpoint folder of exactly this configuration, trained as the plan says: the precision, attention kernel,
+    compile, steps and (model.size auto) shape decided once per configuration and machine class and recorded in
+    paths.train_plan (plan.py), so every run of this configuration on this class computes the same bits."""
     p, cfg = params.paths, params.train
     prepared, tokenizer_dir = Path(p.prepared_dir), Path(p.tokenizer_dir)
     meta = read_meta(prepared)
@@ -77,16 +81,19 @@ def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[
     tok_sha = meta.get("tokenizer_sha256") or (tokenizer_hash(tokenizer_dir) if tokenizer_dir else None)
     parent = resolve_parent(cfg.init_from, Path(p.model_dir)) if cfg.init_from else None
     train_tokens, val_tokens = load_split(prepared, "train"), load_split(prepared, "val")
-    fingerprint = Fingerprint(cfg.fingerprint_params(params.model), directory_hash(prepared), code_hash(),
-                              parent.weights_sha256 if parent else "none")
+    decided = None
+    if dist.is_main:
+        decided = plan_run(params.model, cfg, meta["vocab_size"], train_tokens, val_tokens, dist.device,
+                           dist.world_size, PlanBook(p.train_plan))
+    shared = dist.share({"plan": decided.plan.to_dict(), "measured": decided.measured} if dist.is_main else None)
+    plan = Plan.from_dict(shared["plan"])
+    if not dist.is_main:  # it follows the main rank's plan and, under a time budget, its revisions
+        decided = Decided(plan, shared["measured"], {}, None, "")
+    model_cfg, cfg = apply_plan(plan, params.model, cfg)
+    fingerprint = Fingerprint(params.train.fingerprint_params(params.model), directory_hash(prepared), code_hash(),
+                              parent.weights_sha256 if parent else "none", json_hash(plan.decisions()))
     checkpoints = CheckpointManager(p.checkpoint_dir, fingerprint, cfg.keep_checkpoints, cfg.keep_configs,
                                     extra={"tokenizer_sha256": tok_sha, "optimizer": cfg.optimizer})
-    plan = Plan.load(checkpoints.directory) if cfg.resume else None
-    if plan is None and dist.is_main:
-        plan = make_plan(params.model, cfg, meta["vocab_size"], train_tokens, val_tokens, dist.device,
-                         dist.world_size)[0]
-    plan = Plan.from_dict(dist.share(plan.to_dict() if dist.is_main else None))
-    model_cfg, cfg = apply_plan(plan, params.model, cfg)
     torch.manual_seed(cfg.seed)
     model = UltraThink(model_cfg, meta["vocab_size"])
     if parent is not None:
@@ -95,7 +102,28 @@ def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[
             check_optimizer(parent, cfg.optimizer)
     loader = TokenWindows(train_tokens, model_cfg.seq_len, cfg.batch_size, cfg.seed,
                           rank=dist.rank, world_size=dist.world_size)
-    return Trainer(model, loader, val_tokens, cfg, checkpoints, log_metrics, dist), parent, plan
+    trainer = Trainer(model, loader, val_tokens, cfg, checkpoints, log_metrics, dist, attention=plan.kernel,
+                      peak_flops=decided.peak_flops, deadline=deadline(params, decided))
+    return trainer, parent, decided
+
+
+def deadline(params: Params, decided: Decided) -> Deadline | None:
+    """The end of a time budget, for the run that measured its plan (a run that reads a recorded plan takes the
+    recorded steps): the budget pays for the probe and the training loop (its validation passes and checkpoints),
+    not for the stage's start-up."""
+    plan = decided.plan
+    if not decided.measured or not plan.budget or Budget.parse(plan.budget).kind != "seconds":
+        return None
+    book = PlanBook(params.paths.train_plan)
+
+    def record(step: int, max_steps: int) -> None:
+        plan.replans.append([step, max_steps])
+        plan.max_steps = max_steps
+        book.record(plan.machine, decided.key, plan)
+
+    probe = plan.probe
+    return Deadline(Budget.parse(plan.budget).amount - probe.seconds, probe.save_seconds, probe.eval_seconds,
+                    probe.save_seconds, record)  # the other ranks' deadline only makes them follow the main rank
 
 
 def run(params: Params) -> None:
@@ -105,16 +133,14 @@ def run(params: Params) -> None:
     keep_freed_host_memory()
     dist = setup(cfg.backend)
     try:
-        trainer, parent, plan = build_trainer(params, dist)
+        trainer, parent, decided = build_trainer(params, dist)
         resumed = trainer.resume()
         if dist.is_main:
-            plan.save(trainer.checkpoints.directory)  # after resume(), which may set an old folder aside
-            if plan.sizing or plan.budget:
-                log.warning("%s", describe(plan))
+            log.warning("%s", describe(decided))
         if resumed is None and parent is not None and cfg.init_optimizer:
             trainer.load_optimizer_from(parent.checkpoint)
         if dist.is_main:
-            train_and_record(params, trainer, resumed, parent, plan)
+            train_and_record(params, trainer, resumed, parent, decided)
         else:  # other ranks train in lockstep; the main rank alone talks to MLflow and writes files
             trainer.fit()
             trainer.full_weights()  # collective under FSDP and ZeRO-3: the main rank gathers the final weights
@@ -146,22 +172,36 @@ def metric_sinks(params: Params, run_id: str) -> MetricSinks:
     return MetricSinks(*sinks)
 
 
-def describe(plan: Plan) -> str:
-    """One line on what the budget bought (and, under model.size auto, the shape chosen and why)."""
-    line = f"plan: {plan.max_steps} steps ({plan.max_steps * plan.tokens_per_step:,} tokens)"
+def describe(decided: Decided) -> str:
+    """One line on the plan: where it came from, what it decided, what a budget bought (and, under model.size auto,
+    the shape chosen and why)."""
+    plan = decided.plan
+    origin = "measured on" if decided.measured else "recorded for"
+    line = (f"plan: {plan.precision}, attention {label(plan.kernel)}"
+            f"{', compiled' if plan.compile else ''}, {plan.max_steps} steps "
+            f"({plan.max_steps * plan.tokens_per_step:,} tokens)")
     if plan.budget:
         line += f" for budget {plan.budget}"
     if plan.probe:
         line += (f", at {plan.probe.step_seconds * 1e3:.0f} ms/step measured (probe {plan.probe.seconds:.1f} s, "
                  f"validation {plan.probe.eval_seconds:.2f} s)")
+    if plan.replans:
+        line += f", re-planned while training: {', '.join(f'step {s} → {n}' for s, n in plan.replans)}"
     if plan.sizing:
         line += "; " + Sizing.from_dict(plan.sizing).explain()
-    return line
+    return f"{line} ({origin} {plan.machine})"
+
+
+# Per-step figures that depend on the machine's speed, not on the weights: kept in MLflow, left out of history.json.
+TIMING_FIGURES = ("tokens_per_second", "mfu")
 
 
 def train_and_record(params: Params, trainer: Trainer, resumed: int | None, parent: Parent | None,
-                     plan: Plan) -> None:
-    p = params.paths
+                     decided: Decided) -> None:
+    """Train under this configuration's MLflow run; write the model directory (weights and what the inputs
+    determine: config, loss history, summary, lineage — so its hash in dvc.lock is reproduced by the same inputs)
+    and, beside it, this run's facts (paths.train_run: run id, seconds, tokens/s), which change every run."""
+    p, plan = params.paths, decided.plan
     checkpoints = trainer.checkpoints
     run_id = load_run_id(checkpoints.directory) if resumed else None
     with start_or_resume_run(params.registry.experiment, Path("."), run_id) as run:
@@ -169,10 +209,9 @@ def train_and_record(params: Params, trainer: Trainer, resumed: int | None, pare
         trainer.log_metrics = metric_sinks(params, run.info.run_id)
         if not resumed:
             mlflow.log_params(flat_params(params))
-            mlflow.log_params({**plan.mlflow_params(), **{f"plan.model.{k}": v for k, v in
-                                                           plan.sizing.get("shape", {}).items()},
-                               **({"plan.batch_size": plan.sizing["batch_size"]} if plan.sizing else {})})
             mlflow.set_tags({**lineage_tags(params), "fingerprint": checkpoints.fingerprint.id,
+                             "plan_machine": plan.machine, "plan_measured": str(decided.measured).lower(),
+                             "plan_other_classes": ", ".join(decided.others) or "none",
                              **(parent.tags() if parent else {})})
             mlflow.log_artifact(p.validate_report, "data")
             mlflow.log_artifact(str(Path(p.prepared_dir) / "meta.json"), "data")
@@ -184,24 +223,31 @@ def train_and_record(params: Params, trainer: Trainer, resumed: int | None, pare
             result = trainer.fit()
         finally:
             trainer.log_metrics.flush()  # the steps since the last batch of points
-        summary = {"steps": result.step, "resumed_from": result.resumed_from, "seconds": round(result.seconds, 2),
-                   "tokens_per_second": round(result.tokens_per_second, 1), "params": model.num_params(),
-                   "final_train_loss": result.history[-1]["train_loss"], "final_val_loss": result.history[-1].get("val_loss"),
-                   "best_val_loss": result.best_val_loss, "skipped_steps": result.skipped_steps,
-                   "stopped_early": result.stopped_early, "select": params.train.select,
-                   "selected_step": result.selected_step, "plan": plan.to_dict()}
+        plan.max_steps = trainer.cfg.max_steps  # a time budget's run may have revised it
+        mlflow.log_params(plan.mlflow_params())  # after training: with the steps it took
+        history = [{k: v for k, v in point.items() if k not in TIMING_FIGURES} for point in result.history]
+        summary = {"steps": result.step, "params": model.num_params(),
+                   "final_train_loss": result.history[-1]["train_loss"],
+                   "final_val_loss": result.history[-1].get("val_loss"), "best_val_loss": result.best_val_loss,
+                   "skipped_steps": result.skipped_steps, "stopped_early": result.stopped_early,
+                   "select": params.train.select, "selected_step": result.selected_step, "plan": plan.summary()}
         lineage = {"fingerprint": checkpoints.fingerprint.id, "parts": asdict(checkpoints.fingerprint),
-                   "tokenizer_sha256": checkpoints.extra["tokenizer_sha256"],
+                   "tokenizer_sha256": checkpoints.extra["tokenizer_sha256"], "machine": plan.machine,
                    "parent": parent.tags() if parent else None, "selected_step": result.selected_step}
         mlflow.log_metrics({"train_seconds": result.seconds, "train_tokens_per_second": result.tokens_per_second})
         weights = trainer.full_weights()
         with atomic_dir(p.model_dir) as out:
             model.save_pretrained(out, weights)
-            atomic_write_json(out / "history.json", result.history)
+            atomic_write_json(out / "history.json", history)
             atomic_write_json(out / "train_summary.json", summary)
             atomic_write_json(out / LINEAGE_FILE, lineage)
-            save_run_id(out, run.info.run_id)
-    print(f"train: {json.dumps(summary)}")
+            model_sha = sha256(out / WEIGHTS_FILE)
+        mlflow.set_tag("model_sha256", model_sha)
+        facts = {"run_id": run.info.run_id, "model_sha256": model_sha, "seconds": round(result.seconds, 2),
+                 "tokens_per_second": round(result.tokens_per_second, 1), "resumed_from": result.resumed_from,
+                 "plan_measured": decided.measured, "machine": plan.machine}
+        atomic_write_json(p.train_run, facts)
+    print(f"train: {json.dumps({**summary, **facts, 'plan': None})}")
 
 
 if __name__ == "__main__":

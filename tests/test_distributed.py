@@ -197,7 +197,7 @@ def test_sharded_runs_resume_from_their_own_checkpoints(two):
     shutil.rmtree(folder / "step_00000020")
     shutil.rmtree(base / "model")
     torchrun(base, env, port)
-    assert json.loads((base / "model" / "train_summary.json").read_text())["resumed_from"] == 15
+    assert json.loads((base / "train_run.json").read_text())["resumed_from"] == 15
     again = weights(base)
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
     assert [r["train_loss"] for r in records] == [r["train_loss"] for r in history(base)]
@@ -243,7 +243,7 @@ def test_two_processes_sigkilled_then_resumed_are_bitwise_identical(tmp_path):
 
     output = torchrun(killed, env, 29587)
     assert "resumed from" in output
-    resumed = json.loads((killed / "model" / "train_summary.json").read_text())["resumed_from"]
+    resumed = json.loads((killed / "train_run.json").read_text())["resumed_from"]
     assert 10 <= resumed < steps
 
     a, b = weights(straight), weights(killed)
@@ -297,10 +297,11 @@ def test_a_time_budget_is_planned_once_by_rank_0_and_both_ranks_take_its_steps(t
     (base / "params.yaml").write_text(yaml.safe_dump(params))
     output = torchrun(base, tracking(tmp_path), 29567)
     assert output.count("plan: ") == 1 and "model.size auto: d_model" in output
-    (folder,) = [p for p in (base / "ckpt").iterdir() if (p / "plan.json").is_file()]
-    plan = json.loads((folder / "plan.json").read_text())
+    ((machine, entry),) = json.loads((base / "plan.json").read_text()).items()
+    (plan,) = entry["plans"].values()
+    assert machine.startswith("cpu/") and plan["machine"] == machine
     summary = json.loads((base / "model" / "train_summary.json").read_text())
-    assert summary["steps"] == plan["max_steps"] > 0 and summary["plan"] == plan
+    assert summary["steps"] == plan["max_steps"] > 0 and summary["plan"]["shape"] == plan["sizing"]["shape"]
     # Two ranks of batch_size each: the plan's tokens per step counts both.
     shape = plan["sizing"]["shape"]
     assert plan["tokens_per_step"] == 2 * plan["sizing"]["batch_size"] * shape["seq_len"]

@@ -34,7 +34,8 @@ def tiny_project(tmp: Path, name: str) -> Path:
     (base / "validate.json").write_text("{}")
     params = {
         "paths": {"prepared_dir": str(prepared), "validate_report": str(base / "validate.json"),
-                  "checkpoint_dir": str(base / "ckpt"), "model_dir": str(base / "model")},
+                  "checkpoint_dir": str(base / "ckpt"), "model_dir": str(base / "model"),
+                  "train_plan": str(base / "plan.json"), "train_run": str(base / "train_run.json")},
         "model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "seq_len": 32, "dropout": 0.1},
         "train": {"max_steps": STEPS, "batch_size": 8, "warmup_steps": 4, "eval_every": 10, "eval_batches": 2,
                   "checkpoint_every": 5, "log_every": 5, "precision": "fp32", "threads": 1},
@@ -74,4 +75,8 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
     b = load_file(killed / "model" / "model.safetensors")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     summary = json.loads((killed / "model" / "train_summary.json").read_text())
-    assert summary["resumed_from"] == step and summary["steps"] == STEPS
+    assert summary["steps"] == STEPS
+    assert json.loads((killed / "train_run.json").read_text())["resumed_from"] == step
+    # What the model directory holds is what the inputs determine: the same bytes, killed or not.
+    for name in ("history.json", "train_summary.json", "lineage.json", "config.json"):
+        assert (straight / "model" / name).read_bytes() == (killed / "model" / name).read_bytes(), name

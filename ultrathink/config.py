@@ -33,6 +33,8 @@ class PathsConfig(Section):
     prepared_dir: str = "data/prepared"
     checkpoint_dir: str = "artifacts/checkpoints"
     model_dir: str = "artifacts/model"
+    train_plan: str = "plans/train.json"  # the recorded plan per configuration and machine class (train/plan.py)
+    train_run: str = "reports/train_run.json"  # this run's facts: MLflow run id, seconds, tokens/s, resumed from
     metrics: str = "reports/metrics.json"
     loss_curve: str = "reports/loss_curve.csv"
     logs_dir: str = "reports/logs"  # one log file per stage (<stage>.log), appended to by every run
@@ -42,6 +44,7 @@ class PathsConfig(Section):
     promotion: str = "reports/promotion.json"
     finetuned_dir: str = "artifacts/finetuned"  # model/ (LoRA merged), tokenizer/ (with the chat template), held-out pairs
     finetune_checkpoint_dir: str = "artifacts/finetune_checkpoints"
+    finetune_plan: str = "plans/finetune.json"  # fine-tuning's recorded precision and attention kernel (plan.py)
     finetune_report: str = "reports/finetune.json"  # the pairs' gate, response-only loss before/after, sample answers
     finetune_promotion: str = "reports/finetune_promotion.json"
 

@@ -17,6 +17,7 @@ from ultrathink.config import Params, TrainConfig
 from ultrathink.finetune.chat import reply
 from ultrathink.finetune.lora import add_adapters, merged
 from ultrathink.finetune.pairs import ChatBatches, ChatEval
+from ultrathink.hashing import json_hash
 from ultrathink.lineage import code_hash
 from ultrathink.model import UltraThink
 from ultrathink.model.model import WEIGHTS_FILE
@@ -25,6 +26,7 @@ from ultrathink.registry.tracking import pin_model_uri
 from ultrathink.scoring import TextScore, score_conversations
 from ultrathink.text_eval import is_mlflow_uri, resolve_model
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint, sha256
+from ultrathink.train.plan import Plan, PlanBook, apply_plan, plan_run
 from ultrathink.train.trainer import Trainer
 
 # The code that determines a fine-tuned model's weights (the finetune stage's code dependencies in dvc.yaml).
@@ -69,13 +71,14 @@ def train_config(params: Params) -> TrainConfig:
         "init_optimizer": False, "early_stopping_patience": None, "select": "best"})
 
 
-def fingerprint(params: Params, base: Base, train_chats: list, val_chats: list) -> Fingerprint:
+def fingerprint(params: Params, base: Base, train_chats: list, val_chats: list, plan: Plan) -> Fingerprint:
     knobs = params.finetune.model_dump(exclude=set(params.finetune.BOOKKEEPING))
     blob = json.dumps({"finetune": knobs, "train": train_config(params).model_dump(
         exclude=set(TrainConfig.BOOKKEEPING))}, sort_keys=True)
     data = json.dumps({"train": train_chats, "val": val_chats}, sort_keys=True, ensure_ascii=False)
     return Fingerprint(hashlib.sha256(blob.encode()).hexdigest()[:16],
-                       hashlib.sha256(data.encode()).hexdigest()[:16], code_hash(FINETUNE_CODE), base.weights_sha256)
+                       hashlib.sha256(data.encode()).hexdigest()[:16], code_hash(FINETUNE_CODE), base.weights_sha256,
+                       json_hash(plan.decisions()))
 
 
 @dataclass
@@ -93,15 +96,21 @@ def build(params: Params, base: Base, tokenizer, train_chats: list, val_chats: l
     into this configuration's own folder of paths.finetune_checkpoint_dir."""
     cfg, ft = train_config(params), params.finetune
     model = UltraThink.from_pretrained(base.model_dir)
+    # Precision and attention kernel: decided once per configuration and machine class, as pretraining's.
+    decided = plan_run(model.cfg, cfg, model.vocab_size, train_chats, val_chats, "cpu", 1,
+                       PlanBook(params.paths.finetune_plan))
+    _, cfg = apply_plan(decided.plan, model.cfg, cfg)
     torch.manual_seed(ft.seed)  # the adapters' initial A matrices
     adapted = add_adapters(model, ft.lora) if ft.method == "lora" else None
     trained = adapted.get_base_model() if adapted is not None else model
     seq_len = model.cfg.seq_len
     checkpoints = CheckpointManager(params.paths.finetune_checkpoint_dir,
-                                    fingerprint(params, base, train_chats, val_chats), cfg.keep_checkpoints,
+                                    fingerprint(params, base, train_chats, val_chats, decided.plan),
+                                    cfg.keep_checkpoints,
                                     cfg.keep_configs, extra={"base_model": base.pinned, "method": ft.method})
     trainer = Trainer(trained, ChatBatches(tokenizer, train_chats, seq_len, cfg.batch_size, ft.seed),
-                      ChatEval(tokenizer, val_chats, seq_len), cfg, checkpoints, log_metrics)
+                      ChatEval(tokenizer, val_chats, seq_len), cfg, checkpoints, log_metrics,
+                      attention=decided.plan.kernel, peak_flops=decided.peak_flops)
     return Setup(trainer, adapted)
 
 

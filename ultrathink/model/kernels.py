@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import statistics
+import math
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -62,38 +62,62 @@ def candidates(setting: str, device: str, autocast_dtype: torch.dtype | None) ->
     return [AttentionKernel()] + [AttentionKernel(b, fp32) for b in _BACKENDS for fp32 in upcasts]
 
 
+def fixed_kernel(setting: str) -> AttentionKernel:
+    """The kernel a run uses without measuring: the one `train.attention` names, or for `auto` the default."""
+    return AttentionKernel() if setting == "auto" else AttentionKernel(setting, fp32=False)
+
+
 def choose_attention(setting: str, batch: int, heads: int, kv_heads: int, seq_len: int, head_dim: int,
                      dropout: float, device: str, autocast_dtype: torch.dtype | None,
-                     repeats: int = 3) -> tuple[AttentionKernel, dict[str, float]]:
-    """The kernel for `train.attention` at this shape, and the measured milliseconds of each candidate (the
-    default, torch's choice in fp32, is kept unless another is MIN_GAIN× faster)."""
+                     repeats: int = 5) -> tuple[AttentionKernel, dict[str, float]]:
+    """The kernel for `train.attention` at this shape, and the measured milliseconds of each candidate.
+
+    The rule: candidates in a fixed order (the default first); a later one replaces the pick so far only when it is
+    MIN_GAIN× faster than it. Each candidate is run once untimed, then the candidates are timed in turn `repeats`
+    times and each keeps its fastest time, so a cold first call or a passing stall does not decide. Near-ties are
+    kept by the order, not by which timing happened to come out lower: under dropout (no CPU flash kernel) the
+    default and math are the same kernel, and math in bf16 used to win or lose against math in fp32 by noise —
+    two runs of one configuration then computed differently. The choice is still a measurement, so the train
+    stage makes it once per configuration and machine class and records it (ultrathink/train/plan.py)."""
     options = candidates(setting, device, autocast_dtype)
     if len(options) == 1:
         return options[0], {}
-    timings = {}
     generator = torch.Generator(device=device).manual_seed(0)  # the global generators stay untouched
     dtype = autocast_dtype or torch.float32
     q = torch.randn(batch, heads, seq_len, head_dim, generator=generator, device=device, dtype=dtype)
     k, v = (torch.randn(batch, kv_heads, seq_len, head_dim, generator=generator, device=device, dtype=dtype)
             for _ in range(2))
     grad = torch.randn(q.shape, generator=generator, device=device, dtype=dtype)
+    time_once = lambda option: _time_once(option, q, k, v, grad, dropout, autocast_dtype, device)  # noqa: E731
+    runnable = []
     for option in options:
         try:
             with warnings.catch_warnings():  # torch warns, then raises, for a kernel that cannot run this case
                 warnings.simplefilter("ignore", UserWarning)
-                times = [_time_once(option, q, k, v, grad, dropout, autocast_dtype, device)
-                         for _ in range(repeats + 1)]
-        except RuntimeError:  # no such kernel for this shape or dropout (CPU flash has no dropout)
-            continue
-        timings[option] = statistics.median(times[1:]) * 1e3
-    default = options[0]
-    best = min(timings, key=timings.get)
-    chosen = best if best == default or timings[best] * MIN_GAIN <= timings.get(default, float("inf")) else default
-    readable = {f"{o.backend}{'/fp32' if o.fp32 else ''}": ms for o, ms in timings.items()}
-    log.info("attention auto → %s/%s (forward+backward ms at batch %d × %d heads × %d tokens: %s)", chosen.backend,
-             "fp32" if chosen.fp32 else "autocast", batch, heads, seq_len,
-             ", ".join(f"{k} {v:.1f}" for k, v in readable.items()))
+                time_once(option)
+            runnable.append(option)
+        except RuntimeError as error:  # no such kernel for this shape or dropout (CPU flash has no dropout)
+            log.info("attention auto: %s cannot run this case (%s)", option, str(error).splitlines()[0][:200])
+    if not runnable:
+        raise RuntimeError(f"no attention kernel of {options} runs at batch {batch} × {heads} heads × {seq_len} "
+                           f"tokens on {device}")
+    timings = {option: math.inf for option in runnable}
+    for _ in range(repeats):
+        for option in runnable:
+            timings[option] = min(timings[option], time_once(option) * 1e3)
+    chosen = runnable[0]
+    for option in runnable[1:]:
+        if timings[option] * MIN_GAIN <= timings[chosen]:
+            chosen = option
+    readable = {label(o): ms for o, ms in timings.items()}
+    log.info("attention auto → %s (forward+backward ms at batch %d × %d heads × %d tokens: %s)", label(chosen),
+             batch, heads, seq_len, ", ".join(f"{k} {v:.1f}" for k, v in readable.items()))
     return chosen, readable
+
+
+def label(kernel: AttentionKernel) -> str:
+    """`math/fp32`, `torch`: a kernel as logs and plans name it."""
+    return f"{kernel.backend}{'/fp32' if kernel.fp32 else ''}"
 
 
 def _time_once(option, q, k, v, grad, dropout, autocast_dtype, device) -> float:

@@ -168,6 +168,23 @@ def load_run_id(model_dir: Path) -> str | None:
     return json.loads(path.read_text()).get("run_id")
 
 
+def run_of_model(model_dir: Path, run_file: Path, experiment: str, root: Path) -> str | None:
+    """The MLflow run that trained the weights in `model_dir`: the one `run_file` (the train stage's run facts)
+    names when it names these weights; else the newest run tagged with their sha256 (DVC restored the model from
+    its cache, or a run elsewhere made the same bytes); else None."""
+    from ultrathink.model.model import WEIGHTS_FILE
+    from ultrathink.train.checkpoint import sha256
+
+    weights = sha256(Path(model_dir) / WEIGHTS_FILE)
+    facts = json.loads(Path(run_file).read_text()) if Path(run_file).is_file() else {}
+    if facts.get("model_sha256") == weights and facts.get("run_id"):
+        return facts["run_id"]
+    use_tracking(root)
+    found = mlflow.search_runs(experiment_names=[experiment], filter_string=f"tags.model_sha256 = '{weights}'",
+                               order_by=["attributes.start_time DESC"], max_results=1, output_format="list")
+    return found[0].info.run_id if found else None
+
+
 def pin_model_uri(uri: str, root: Path) -> str:
     """`models:/NAME@ALIAS` → `models:/NAME/VERSION`, the version the alias names now (so what is loaded and what
     lineage records are one version); other URIs unchanged."""

@@ -1,34 +1,29 @@
 """`train.budget`: what a run may spend — wall-clock time, tokens or FLOPs — turned into a number of optimizer steps.
 
-A tokens or FLOPs budget divides exactly. A time budget is turned into steps once, at the start of a configuration's
-first run, from a short throughput probe: a few steps of a throwaway model of the same shape (its own optimizer, the
-generators restored afterwards, so the real run starts exactly as it would have), plus one validation pass. The
-result is a `Plan`, written next to the configuration's checkpoints and logged to MLflow; a resumed run reads it
-back instead of measuring again, so resume stays exact, and its `max_steps` reproduces the run as a plain step count.
+A tokens or FLOPs budget divides exactly. A time budget is turned into steps once per configuration and machine
+class, from a short throughput probe: a few steps of a throwaway model of the same shape (its own optimizer, the
+generators restored afterwards, so the real run starts exactly as it would have), one validation pass and one
+checkpoint. The run that measured revises its steps while it trains, from its real step time (trainer.py,
+`Deadline`); the steps it took are recorded in the plan (plan.py), which later runs reuse instead of measuring.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
 from ultrathink.config import Budget
-from ultrathink.io import atomic_write_json
 
 log = logging.getLogger(__name__)
 
-PLAN_FILE = "plan.json"
 PROBE_WARMUP_STEPS = 2  # first steps pay kernel selection (and compilation): timed apart
 PROBE_STEPS = 5
-GUESS_UTILISATION = 0.3  # model.size auto's first guess at the share of the device's matmul peak a step reaches
 
 
 @dataclass
@@ -41,45 +36,6 @@ class Probe:
     eval_seconds: float
     save_seconds: float
     seconds: float
-
-
-@dataclass
-class Plan:
-    """What a budget resolved to; everything a resumed or reproduced run needs to take the same steps."""
-    budget: str | None
-    max_steps: int
-    warmup_steps: int
-    tokens_per_step: int
-    flops_per_token: int
-    probe: Probe | None = None
-    sizing: dict = field(default_factory=dict)  # model.size: auto's choice and its reasons (sizing.py)
-    compile: bool = False  # train.compile, decided (auto) from the budget and the probe
-
-    def save(self, directory: Path) -> None:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        atomic_write_json(Path(directory) / PLAN_FILE, self.to_dict())
-
-    @classmethod
-    def load(cls, directory: Path) -> "Plan | None":
-        path = Path(directory) / PLAN_FILE
-        if not path.is_file():
-            return None
-        return cls.from_dict(json.loads(path.read_text()))
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> "Plan":
-        return cls(**{**raw, "probe": Probe(**raw["probe"]) if raw.get("probe") else None})
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def mlflow_params(self) -> dict[str, object]:
-        params = {"plan.max_steps": self.max_steps, "plan.warmup_steps": self.warmup_steps,
-                  "plan.tokens": self.max_steps * self.tokens_per_step}
-        if self.probe:
-            params.update({"plan.step_seconds": round(self.probe.step_seconds, 4),
-                           "plan.probe_seconds": round(self.probe.seconds, 2)})
-        return params
 
 
 def _timed(fn, device: str) -> float:
@@ -114,7 +70,8 @@ def warmup_for(max_steps: int, cfg) -> int:
     return min(max_steps, cfg.warmup_steps)
 
 
-def probe_shape(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, device: str) -> Probe:
+def probe_shape(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, device: str,
+                attention=None) -> Probe:
     """Time PROBE_STEPS optimizer steps (after PROBE_WARMUP_STEPS), one validation pass and one checkpoint of a
     throwaway model of `model_cfg`'s shape, trained in one process on `device` with the run's settings (eager when
     train.compile is auto: that is decided from this). The global generators are restored afterwards; nothing of
@@ -134,7 +91,7 @@ def probe_shape(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens,
         trainer = Trainer(UltraThink(model_cfg, vocab_size),
                           TokenWindows(train_tokens, model_cfg.seq_len, cfg.batch_size, cfg.seed), val_tokens, cfg,
                           CheckpointManager(tmp, Fingerprint("probe", "probe", "probe"), keep=1, keep_configs=1),
-                          dist=Distributed(device=device))
+                          dist=Distributed(device=device), attention=attention)
         first = [_timed(trainer.train_step, device) for _ in range(PROBE_WARMUP_STEPS)]
         steps = [_timed(trainer.train_step, device) for _ in range(PROBE_STEPS)]
         eval_seconds = _timed(trainer.validate, device)
@@ -142,58 +99,6 @@ def probe_shape(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens,
     step = statistics.median(steps)
     return Probe(step, max(0.0, sum(first) - PROBE_WARMUP_STEPS * step), eval_seconds, save_seconds,
                  time.perf_counter() - started)
-
-
-def make_plan(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, device: str,
-              world_size: int = 1) -> tuple[Plan, object, object]:
-    """(plan, resolved model config, resolved train config) for this run: the budget turned into steps, and under
-    model.size auto the shape and batch sizing.py chooses for it. Without a budget the plan is train.max_steps."""
-    from ultrathink.train import sizing
-    from ultrathink.train.precision import peak_flops
-
-    sized, probes = None, []
-    if model_cfg.size == "auto":
-        budget = Budget.parse(train_cfg.budget)
-        corpus = len(train_tokens)
-        if budget.kind == "seconds":
-            # First guess from the device's matmul peak at a typical small-model utilisation, then once more from
-            # the throughput measured on that guess (smaller models use a device less well).
-            rate = (peak_flops(train_cfg.precision, device) or 1e11) * GUESS_UTILISATION * world_size
-            for _ in range(2):
-                sized = sizing.choose(model_cfg, vocab_size, corpus, flops=rate * budget.amount,
-                                      batch_size=train_cfg.batch_size)
-                shaped = _sized(model_cfg, train_cfg, sized)
-                if probes and probes[-1][0] == (shaped[0], shaped[1].batch_size):
-                    break
-                probes.append(((shaped[0], shaped[1].batch_size),
-                               probe_shape(*shaped, vocab_size, train_tokens, val_tokens, device)))
-                tokens_per_step = shaped[1].batch_size * shaped[1].grad_accum * shaped[0].seq_len * world_size
-                rate = sized.flops_per_token * tokens_per_step / probes[-1][1].step_seconds
-        else:
-            sized = sizing.choose(model_cfg, vocab_size, corpus, batch_size=train_cfg.batch_size,
-                                  **{"flops" if budget.kind == "flops" else "tokens": budget.amount})
-        model_cfg, train_cfg = _sized(model_cfg, train_cfg, sized)
-    tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * model_cfg.seq_len * world_size
-    flops_per_token = sizing.counts(sizing.Shape(*(getattr(model_cfg, k) for k in sizing.SHAPE_KEYS)),
-                                    model_cfg, vocab_size)[2]
-    measured = None
-    if train_cfg.budget is not None:
-        budget = Budget.parse(train_cfg.budget)
-        if budget.kind == "seconds" or train_cfg.compile == "auto":
-            if not probes:
-                probes.append((None, probe_shape(model_cfg, train_cfg, vocab_size, train_tokens, val_tokens, device)))
-            last = probes[-1][1]
-            measured = Probe(last.step_seconds, last.first_steps_extra, last.eval_seconds, last.save_seconds,
-                             sum(p.seconds for _, p in probes))
-        max_steps = steps_for(budget, tokens_per_step, flops_per_token, train_cfg, measured)
-    else:
-        max_steps = train_cfg.max_steps
-    warmup = warmup_for(max_steps, train_cfg)
-    compile = compile_pays(train_cfg, model_cfg, max_steps, measured)
-    train_cfg = train_cfg.model_copy(update={"max_steps": max_steps, "warmup_steps": warmup, "compile": compile})
-    plan = Plan(train_cfg.budget, max_steps, warmup, tokens_per_step, flops_per_token, measured,
-                sized.to_dict() if sized else {}, compile)
-    return plan, model_cfg, train_cfg
 
 
 # train.compile auto compiles a run whose eager training is measured to take at least this long: torch.compile
@@ -208,18 +113,3 @@ def compile_pays(train_cfg, model_cfg, max_steps: int, measured: Probe | None) -
         return train_cfg.compile
     return (measured is not None and not model_cfg.variants() and train_cfg.backend != "deepspeed"
             and max_steps * measured.step_seconds >= COMPILE_PAYS_AFTER_SECONDS)
-
-
-def _sized(model_cfg, train_cfg, sized):
-    return (model_cfg.model_copy(update={**asdict(sized.shape), "size": "manual"}),
-            train_cfg.model_copy(update={"batch_size": sized.batch_size}))
-
-
-def apply_plan(plan: Plan, model_cfg, train_cfg):
-    """The model and train configs a recorded plan resolved (a resumed run: no probe, the same steps)."""
-    if plan.sizing:
-        from ultrathink.train.sizing import Sizing
-
-        model_cfg, train_cfg = _sized(model_cfg, train_cfg, Sizing.from_dict(plan.sizing))
-    return model_cfg, train_cfg.model_copy(update={"max_steps": plan.max_steps, "warmup_steps": plan.warmup_steps,
-                                                   "compile": plan.compile})

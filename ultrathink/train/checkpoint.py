@@ -66,6 +66,7 @@ class Fingerprint:
     data: str  # hash of the packed token files (and so of the tokenizer)
     code: str  # hash of the training code (ultrathink.lineage.TRAINING_CODE)
     parent: str = "none"  # sha256 of the warm start's weights
+    plan: str = "none"  # hash of the plan's decisions (precision, attention kernel, compile, shape: plan.py)
 
     @property
     def id(self) -> str:

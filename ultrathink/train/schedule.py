@@ -31,6 +31,13 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return floor + (1 - floor) * (1 - (progress - decay_start) / cfg.decay_fraction)
 
 
+def same_schedule(cfg: TrainConfig, max_steps: int, step: int) -> bool:
+    """Whether steps 0..step (the next one's rate is already set) have the same rates with `max_steps` as with
+    cfg.max_steps: what a time budget's revision of its steps must keep (trainer.py, Deadline)."""
+    revised = cfg.model_copy(update={"max_steps": max_steps})
+    return max_steps > step and all(lr_factor(s, cfg) == lr_factor(s, revised) for s in range(step + 1))
+
+
 class Scheduler:
     """Sets each param group's lr to peak × lr_factor(step) across one or more optimizers."""
 
@@ -47,6 +54,11 @@ class Scheduler:
         factor = lr_factor(self.step_count, self.cfg)
         for group, peak in zip(self.groups(), self.peaks):
             group["lr"] = peak * factor
+
+    def revise(self, cfg: TrainConfig) -> None:
+        """Another max_steps for the rest of the run (a time budget re-planned)."""
+        self.cfg = cfg
+        self._apply()
 
     def step(self) -> None:
         self.step_count += 1

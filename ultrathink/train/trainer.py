@@ -3,6 +3,7 @@ nothing of DVC, Prefect or MLflow."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -21,9 +22,9 @@ from ultrathink.train.checkpoint import CheckpointManager
 from ultrathink.train.distributed import Distributed
 from ultrathink.train.engine import autocast, autocast_dtype, build_engine
 from ultrathink.train.loader import TokenStreamEval, TokenWindows
-from ultrathink.model.kernels import AttentionKernel, choose_attention
+from ultrathink.model.kernels import AttentionKernel, fixed_kernel
 from ultrathink.train.precision import peak_flops
-from ultrathink.train.schedule import Scheduler
+from ultrathink.train.schedule import Scheduler, same_schedule
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +59,36 @@ class TrainResult:
     selected_step: int = 0  # the step whose weights the model holds after fit (train.select)
 
 
+@dataclass
+class Deadline:
+    """A time budget's end, given to the run that measured its plan: while it trains, fit() re-plans max_steps
+    from the real step time (a probe's few steps can be off by 2×, and a machine's speed drifts), only where the
+    schedule of the steps already taken stays what it was — during warmup, and for WSD until its decay begins — so
+    a later run that takes the final step count from the start computes the same steps. `on_replan(step,
+    max_steps)` records each revision."""
+    seconds: float  # what fit() may spend: the budget less the probe that planned it
+    final_seconds: float  # what follows the last step: selecting the best weights, saving the model
+    eval_seconds: float  # one validation pass, one checkpoint: as probed, then as observed
+    save_seconds: float
+    on_replan: Callable[[int, int], None] = lambda step, max_steps: None
+
+
+REPLAN_FIRST = 10  # steps before the first revision: the first steps pay kernel set-up
+
+
 class Trainer:
     def __init__(self, model: torch.nn.Module, train_loader: TokenWindows, val_data: np.ndarray | EvalData,
                  cfg: TrainConfig, checkpoints: CheckpointManager,
-                 log_metrics: MetricsSink | None = None, dist: Distributed | None = None):
+                 log_metrics: MetricsSink | None = None, dist: Distributed | None = None,
+                 attention: AttentionKernel | None = None, peak_flops: float | None = None,
+                 deadline: Deadline | None = None):
         """`train_loader` gives (x, y) batches (targets -100 are not trained on) and has `seq_len` and a
-        state_dict; `val_data` is the val split's tokens or anything with `eval_batches(batch_size, max_batches)`."""
+        state_dict; `val_data` is the val split's tokens or anything with `eval_batches(batch_size, max_batches)`.
+        `attention`: the kernel the plan chose (plan.py); default: the one train.attention names, or torch's own.
+        `peak_flops`: the device's FLOP/s in this precision, for MFU (default: precision.peak_flops).
+        `deadline`: a time budget's end, when this run measured the plan."""
         self.model, self.loader, self.cfg = model, train_loader, cfg
+        self.deadline, self.peak_flops = deadline, peak_flops
         self.val_data = val_data if hasattr(val_data, "eval_batches") else TokenStreamEval(val_data, train_loader.seq_len)
         self.checkpoints = checkpoints
         self.log_metrics = log_metrics or (lambda metrics, step: None)
@@ -73,7 +97,8 @@ class Trainer:
         # The model was initialised identically on every rank; from here each rank draws its own dropout masks.
         torch.manual_seed(cfg.seed + self.dist.rank)
         model.checkpoint_blocks = cfg.gradient_checkpointing
-        self.attention = self._choose_attention(model, cfg)
+        self.attention = attention or fixed_kernel(cfg.attention)
+        model.use_attention(self.attention)
         # Counted before the backend wraps or shards the model (ZeRO-3 leaves each rank a slice of every tensor).
         self.flops_per_token = model.flops_per_token()
         # `engine` takes the steps (through the model, its DDP/FSDP wrapper or DeepSpeed); `model` is what is
@@ -87,17 +112,6 @@ class Trainer:
         self.counters = {"skipped": 0, "bad_in_a_row": 0, "evals_without_gain": 0, "best_val": math.inf,
                          "stopped_early": False}
         self.tokens_per_step = cfg.batch_size * cfg.grad_accum * train_loader.seq_len * self.dist.world_size
-
-    def _choose_attention(self, model, cfg: TrainConfig) -> AttentionKernel:
-        """train.attention for this run's shape: measured on the main rank (auto), the same on every rank."""
-        if self.dist.is_main:
-            m = model.cfg
-            kernel, _ = choose_attention(cfg.attention, cfg.batch_size, m.n_heads, m.n_kv_heads, m.seq_len,
-                                         m.head_dim, m.dropout, self.dist.device,
-                                         autocast_dtype(cfg.precision, self.dist.device))
-        kernel = AttentionKernel(**self.dist.share(kernel.to_dict() if self.dist.is_main else None))
-        model.use_attention(kernel)
-        return kernel
 
     # ---- checkpoint state -------------------------------------------------------------------------------------
     def state(self) -> dict:
@@ -227,15 +241,17 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         """Train up to cfg.max_steps from the current step (call resume() first to continue a checkpoint)."""
-        cfg, first_step, stop = self.cfg, self.step, bool(self.counters["stopped_early"])
+        first_step, stop = self.step, bool(self.counters["stopped_early"])
         started, window_start, window_steps = time.perf_counter(), time.perf_counter(), 0
-        bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step",
+        bar = tqdm(total=self.cfg.max_steps, initial=self.step, desc="train", unit="step",
                    disable=None if self.dist.is_main else True, leave=False)
-        peak = peak_flops(cfg.precision, self.dist.device)  # None: unknown, MFU is left out
-        while self.step < cfg.max_steps and not stop:
+        peak = self.peak_flops or peak_flops(self.cfg.precision, self.dist.device)  # None: MFU is left out
+        pace = Pace(started)
+        while self.step < self.cfg.max_steps and not stop:
             outcome = self.train_step()
             if outcome is None:
                 continue
+            cfg = self.cfg
             loss, grad_norm, routing_figures = outcome
             window_steps += 1
             bar.update(1)
@@ -249,8 +265,9 @@ class Trainer:
                     record["mfu"] = self.flops_per_token * record["tokens_per_second"] / (peak * self.dist.world_size)
                 window_start, window_steps = time.perf_counter(), 0
             if self.step % cfg.eval_every == 0 or last:
-                record["val_loss"] = self.validate()
-                stop = self._track_best(record["val_loss"])
+                with pace.aside("eval"):
+                    record["val_loss"] = self.validate()
+                    stop = self._track_best(record["val_loss"])
             if self.dist.is_main:
                 self.log_metrics(record, self.step)  # every step to the tracker; console and history less often
             if "tokens_per_second" in record or "val_loss" in record:
@@ -259,11 +276,14 @@ class Trainer:
                     bar.write(" ".join(filter(None, [step_line(self.step, cfg.max_steps, record),
                                                      self.model.routing_line(record)])))
             if self.step % cfg.checkpoint_every == 0 or last or stop:
-                self._save()
+                with pace.aside("save"):
+                    self._save()
+            if self.deadline is not None and not last and not stop and self._replan(pace, first_step):
+                bar.total = self.cfg.max_steps
         bar.close()
         if stop:
             log.warning("early stop at step %d: no val gain in %d validations (best val %.4f)",
-                        self.step, cfg.early_stopping_patience, self.counters["best_val"])
+                        self.step, self.cfg.early_stopping_patience, self.counters["best_val"])
         selected = self._select_weights()
         seconds = time.perf_counter() - started
         trained = self.step - first_step
@@ -271,6 +291,48 @@ class Trainer:
         return TrainResult(self.step, first_step or None, self.history, seconds,
                            trained * self.tokens_per_step / seconds if seconds else 0.0,
                            self.counters["skipped"], best if math.isfinite(best) else None, stop, selected)
+
+    def _replan(self, pace: "Pace", first_step: int) -> bool:
+        """A time budget's revision of max_steps (see Deadline), at step REPLAN_FIRST and every tenth of the run,
+        decided by the main rank for all. Returns whether max_steps changed."""
+        cfg, deadline = self.cfg, self.deadline
+        if self.step != REPLAN_FIRST and (self.step < REPLAN_FIRST or self.step % max(1, cfg.max_steps // 10)):
+            return False
+        wanted = None
+        if self.dist.is_main:
+            step_seconds = pace.step_seconds(self.step, first_step)
+            eval_seconds, save_seconds = (pace.mean("eval", deadline.eval_seconds),
+                                          pace.mean("save", deadline.save_seconds))
+            left = (pace.started + deadline.seconds - time.perf_counter() - deadline.final_seconds - eval_seconds
+                    - save_seconds)
+            per_step = step_seconds + eval_seconds / cfg.eval_every + save_seconds / cfg.checkpoint_every
+            wanted = self.step + max(1, int(left / per_step))
+            wanted = self._keeping_schedule(wanted)
+        new = self.dist.share(wanted)
+        if new is None or new == cfg.max_steps:
+            return False
+        log.warning("time budget: step %d of %d; at the measured pace the budget ends at step %d: re-planned",
+                    self.step, cfg.max_steps, new)
+        self.cfg = cfg.model_copy(update={"max_steps": new})
+        self.scheduler.revise(self.cfg)
+        if self.dist.is_main:
+            deadline.on_replan(self.step, new)
+        return True
+
+    def _keeping_schedule(self, wanted: int) -> int | None:
+        """`wanted`, or the nearest step count to it under which the steps taken so far had the same learning
+        rates (None: there is none but the current one, e.g. once the decay has begun)."""
+        old = self.cfg.max_steps
+        fits = lambda total: same_schedule(self.cfg, total, self.step)  # noqa: E731
+        if fits(wanted):
+            return wanted
+        if wanted > old:  # the schedule is already fixed: growing it would change past rates
+            return None
+        low, high = wanted, old  # fits(old) holds; fits is monotone in total (a later decay start) for WSD
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (low, middle) if fits(middle) else (middle, high)
+        return high if high != old else None
 
     def _select_weights(self) -> int:
         """train.select: load the best checkpoint's weights (lowest validation loss) unless the model already
@@ -292,3 +354,29 @@ def step_line(step: int, total: int, r: dict[str, float]) -> str:
     if "val_loss" in r:
         line += f" val {r['val_loss']:.4f}"
     return line
+
+
+class Pace:
+    """Where a run's seconds go: training steps, and the validation passes and checkpoints set aside from them."""
+
+    def __init__(self, started: float):
+        self.started, self.mark, self.mark_step, self.spent = started, started, None, {"eval": [], "save": []}
+        self.aside_since_mark = 0.0
+
+    @contextlib.contextmanager
+    def aside(self, kind: str):
+        begun = time.perf_counter()
+        yield
+        self.spent[kind].append(time.perf_counter() - begun)
+        self.aside_since_mark += self.spent[kind][-1]
+
+    def mean(self, kind: str, default: float) -> float:
+        return sum(self.spent[kind]) / len(self.spent[kind]) if self.spent[kind] else default
+
+    def step_seconds(self, step: int, first_step: int) -> float:
+        """Seconds per training step since the last call (since the start at the first), validation passes and
+        checkpoints excluded: the recent pace, which is what the rest of the run will see."""
+        now, since = time.perf_counter(), first_step if self.mark_step is None else self.mark_step
+        seconds = (now - self.mark - self.aside_since_mark) / max(1, step - since)
+        self.mark, self.mark_step, self.aside_since_mark = now, step, 0.0
+        return seconds

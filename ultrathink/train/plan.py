@@ -1,0 +1,347 @@
+"""The run plan: every choice that changes a training run's numbers and is made by measuring, made in one step,
+once per configuration and machine class, and recorded in the repository.
+
+What a plan decides: the precision (`train.precision: auto` — bf16 where it measures faster), the attention kernel
+(`train.attention: auto`), `train.compile: auto`, the steps a `train.budget` buys and, under `model.size: auto`, the
+shape and batch. Each of these follows a timing, and timings move with the machine's load; two runs of one
+configuration that decided differently would train different weights. So the train stage decides once and writes
+the decisions to a plan book (`plans/train.json`, tracked by git and DVC); every later run of the same
+configuration on the same class of machine reads them back and measures nothing. Same commit + same machine class
+= same bytes. Delete a configuration's entry (or the file) to measure again.
+
+A machine class is what the numerics depend on: the device (CPU vendor and its widest matmul instructions, and the
+thread count; or the GPU's name), and torch's version. A run on another class decides for itself, says so in one
+line before training (its weights will differ from the recorded class's), and its entry is added beside the others.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+
+from ultrathink.config import Budget
+from ultrathink.hashing import json_hash
+from ultrathink.io import atomic_write_json
+from ultrathink.model.kernels import AttentionKernel, choose_attention, fixed_kernel, label
+from ultrathink.train.budget import Probe, compile_pays, probe_shape, steps_for, warmup_for
+
+log = logging.getLogger(__name__)
+
+GUESS_UTILISATION = 0.3  # model.size auto's first guess at the share of the device's matmul peak a step reaches
+BF16_MIN_GAIN = 1.2  # precision auto takes bf16 on a CPU only when its matmuls are at least this much faster
+PEAK_SIZES = (1024, 2048)  # matmul sizes timed for a CPU's peak: small ones reach a fraction of it (512²: half here)
+
+
+# ---- machine class -----------------------------------------------------------------------------------------------
+def _cpu_flags() -> tuple[str, set[str]]:
+    vendor, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "vendor_id":
+                vendor = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    return vendor, flags
+
+
+def cpu_isa(flags: set[str]) -> str:
+    """The widest matmul instruction set of a CPU: what decides its kernels and whether bf16 is native."""
+    for isa in ("amx_bf16", "avx512_bf16", "avx512f", "avx2"):
+        if isa in flags:
+            return isa
+    return "baseline"
+
+
+def machine_class(device: str) -> str:
+    """`cpu/AuthenticAMD/avx512_bf16/2 threads/torch 2.13` or `cuda/NVIDIA H100 80GB HBM3/torch 2.13`: machines of
+    one class compute the same bits from the same plan."""
+    version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    if device.startswith("cuda"):
+        return f"cuda/{torch.cuda.get_device_name(device)}/torch {version}/cuda {torch.version.cuda}"
+    vendor, flags = _cpu_flags()
+    return f"cpu/{vendor}/{cpu_isa(flags)}/{torch.get_num_threads()} threads/torch {version}"
+
+
+# ---- what a plan holds -------------------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    """What a run resolved to: everything a later run of the same configuration needs to compute the same bits."""
+    budget: str | None
+    max_steps: int
+    warmup_steps: int
+    tokens_per_step: int
+    flops_per_token: int
+    precision: str = "fp32"
+    attention: dict = field(default_factory=lambda: AttentionKernel().to_dict())
+    compile: bool = False  # train.compile, decided (auto) from the budget and the probe
+    probe: Probe | None = None
+    sizing: dict = field(default_factory=dict)  # model.size: auto's choice and its reasons (sizing.py)
+    attention_ms: dict = field(default_factory=dict)  # what attention auto measured
+    replans: list = field(default_factory=list)  # [step, new max_steps] as a time budget's run re-planned
+    machine: str = ""  # the machine class it was made on
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Plan":
+        return cls(**{**raw, "probe": Probe(**raw["probe"]) if raw.get("probe") else None})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def kernel(self) -> AttentionKernel:
+        return AttentionKernel(**self.attention)
+
+    def decisions(self) -> dict:
+        """What fixes the numerics from the first step: part of the checkpoint fingerprint. Not max_steps: a time
+        budget's run revises it while training (before the schedule's decay, so the steps taken do not change)."""
+        return {"precision": self.precision, "attention": self.attention, "compile": self.compile,
+                "warmup_steps": self.warmup_steps, "shape": self.sizing.get("shape"),
+                "batch_size": self.sizing.get("batch_size")}
+
+    def summary(self) -> dict:
+        """The decisions and the steps taken, without the timings behind them (those stay in the plan book and the
+        MLflow run): what a model directory records, the same bytes for the same decisions."""
+        return {**self.decisions(), "budget": self.budget, "max_steps": self.max_steps,
+                "tokens_per_step": self.tokens_per_step, "machine": self.machine}
+
+    def mlflow_params(self) -> dict[str, object]:
+        params = {"plan.max_steps": self.max_steps, "plan.warmup_steps": self.warmup_steps,
+                  "plan.tokens": self.max_steps * self.tokens_per_step, "plan.precision": self.precision,
+                  "plan.attention": label(self.kernel), "plan.compile": self.compile, "plan.machine": self.machine}
+        if self.probe:
+            params.update({"plan.step_seconds": round(self.probe.step_seconds, 4),
+                           "plan.probe_seconds": round(self.probe.seconds, 2)})
+        params.update({f"plan.model.{k}": v for k, v in self.sizing.get("shape", {}).items()})
+        if self.sizing:
+            params["plan.batch_size"] = self.sizing["batch_size"]
+        return params
+
+
+def apply_plan(plan: Plan, model_cfg, train_cfg):
+    """The model and train configs a plan resolved: shape and batch, steps, warmup, compile and precision."""
+    if plan.sizing:
+        from ultrathink.train.sizing import Sizing
+
+        model_cfg, train_cfg = _sized(model_cfg, train_cfg, Sizing.from_dict(plan.sizing))
+    return model_cfg, train_cfg.model_copy(update={"max_steps": plan.max_steps, "warmup_steps": plan.warmup_steps,
+                                                   "compile": plan.compile, "precision": plan.precision})
+
+
+def _sized(model_cfg, train_cfg, sized):
+    return (model_cfg.model_copy(update={**asdict(sized.shape), "size": "manual"}),
+            train_cfg.model_copy(update={"batch_size": sized.batch_size}))
+
+
+# ---- the plan book -----------------------------------------------------------------------------------------------
+# Knobs that change neither a decision nor what it was measured on.
+NOT_PLANNED = frozenset({"keep_checkpoints", "keep_configs", "log_every", "resume", "select", "init_from",
+                         "init_optimizer", "tensorboard", "max_bad_steps", "threads"})
+
+
+def configuration_key(model_cfg, train_cfg, vocab_size: int, train_tokens: int, val_tokens: int,
+                      world_size: int) -> str:
+    """What a plan is measured for: the model and train knobs, the vocabulary, the splits' sizes, the ranks."""
+    return json_hash({"model": model_cfg.model_dump(), "train": train_cfg.model_dump(exclude=set(NOT_PLANNED)),
+                      "vocab_size": vocab_size, "tokens": [train_tokens, val_tokens], "world_size": world_size})
+
+
+class PlanBook:
+    """`{machine class: {"matmul_gflops": {...}, "plans": {configuration key: plan}}}` in one JSON file. Read and
+    written under a lock beside it (per machine: two runs in one project directory take turns)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.lock = FileLock(str(self.path.with_name(f".{self.path.name}.lock")))
+
+    def read(self) -> dict:
+        if not self.path.is_file():
+            return {}
+        try:
+            return json.loads(self.path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{self.path}: not a plan book ({error}); delete it to measure again") from None
+
+    def plan(self, machine: str, key: str) -> Plan | None:
+        raw = self.read().get(machine, {}).get("plans", {}).get(key)
+        return Plan.from_dict(raw) if raw else None
+
+    def others(self, machine: str, key: str) -> dict[str, Plan]:
+        """Plans of this configuration recorded on other machine classes."""
+        return {m: Plan.from_dict(entry["plans"][key]) for m, entry in self.read().items()
+                if m != machine and key in entry.get("plans", {})}
+
+    def matmul_gflops(self, machine: str) -> dict[str, float]:
+        return self.read().get(machine, {}).get("matmul_gflops", {})
+
+    def record(self, machine: str, key: str | None = None, plan: Plan | None = None,
+               matmul_gflops: dict[str, float] | None = None) -> None:
+        with self.lock:
+            book = self.read()
+            entry = book.setdefault(machine, {"matmul_gflops": {}, "plans": {}})
+            if matmul_gflops:
+                entry["matmul_gflops"].update(matmul_gflops)
+            if plan is not None:
+                entry["plans"][key] = plan.to_dict()
+            atomic_write_json(self.path, dict(sorted(book.items())))
+
+
+# ---- deciding ----------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _measure_peak(dtype_name: str, device: str) -> float:
+    from ultrathink.train.precision import matmul_gflops
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    return max(matmul_gflops(dtype, size=size, repeats=5, device=device) for size in PEAK_SIZES)
+
+
+def cpu_matmul_gflops(book: PlanBook | None, machine: str, device: str) -> dict[str, float]:
+    """The CPU's matmul peak in fp32 and bf16 (GFLOP/s): read from the book, else measured once and recorded."""
+    known = book.matmul_gflops(machine) if book else {}
+    if {"fp32", "bf16"} <= known.keys():
+        return known
+    measured = {name: round(_measure_peak(name, device), 1) for name in ("fp32", "bf16")}
+    if book:
+        book.record(machine, matmul_gflops=measured)
+    return measured
+
+
+def decide_precision(requested: str, device: str, gflops: dict[str, float] | None) -> str:
+    """`auto` → bf16 on a GPU that has it; on a CPU only where its matmuls measured BF16_MIN_GAIN× faster (on a CPU
+    without native bf16 they are ~40× slower)."""
+    if requested != "auto":
+        return requested
+    if device.startswith("cuda"):
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    return "bf16" if gflops["bf16"] >= BF16_MIN_GAIN * gflops["fp32"] else "fp32"
+
+
+def peak_for(precision: str, device: str, gflops: dict[str, float] | None) -> float | None:
+    """FLOP/s of the device in `precision`: the denominator of MFU. A CPU's is its measured matmul peak (recorded
+    with the plan); a GPU's, its datasheet figure (precision.peak_flops)."""
+    if device.startswith("cuda") or not gflops or precision not in gflops:
+        from ultrathink.train.precision import peak_flops
+
+        return peak_flops(precision, device)
+    return gflops[precision] * 1e9
+
+
+def decide_attention(setting: str, model_cfg, batch_size: int, precision: str,
+                     device: str) -> tuple[AttentionKernel, dict[str, float]]:
+    from ultrathink.train.engine import autocast_dtype
+
+    if setting != "auto":
+        return fixed_kernel(setting), {}
+    m = model_cfg
+    return choose_attention(setting, batch_size, m.n_heads, m.n_kv_heads, m.seq_len, m.head_dim, m.dropout, device,
+                            autocast_dtype(precision, device))
+
+
+@dataclass
+class Decided:
+    """A plan and how it came about: `measured` (this run decided, so it may revise a time budget's steps while
+    training) or read back from the book; the plans other machine classes recorded for this configuration."""
+    plan: Plan
+    measured: bool
+    others: dict[str, Plan]
+    peak_flops: float | None
+    key: str  # the configuration's key in the book
+
+
+def plan_run(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, device: str, world_size: int = 1,
+             book: PlanBook | None = None) -> Decided:
+    """The one planning step: read this configuration's plan for this machine class from `book`, or decide it
+    (measuring what must be measured) and record it there. Without a book (a probe, a benchmark) it decides."""
+    machine = machine_class(device)
+    key = configuration_key(model_cfg, train_cfg, vocab_size, len(train_tokens), len(val_tokens), world_size)
+    gflops = cpu_matmul_gflops(book, machine, device) if not device.startswith("cuda") else None
+    recorded = book.plan(machine, key) if book else None
+    others = book.others(machine, key) if book else {}
+    if recorded is not None:
+        return Decided(recorded, False, others, peak_for(recorded.precision, device, gflops), key)
+    plan = decide(model_cfg, train_cfg, vocab_size, train_tokens, val_tokens, device, world_size, gflops)
+    plan.machine = machine
+    if others:
+        log.warning("%s", other_class_line(plan, others))
+    if book:
+        book.record(machine, key, plan)
+    return Decided(plan, True, others, peak_for(plan.precision, device, gflops), key)
+
+
+def other_class_line(plan: Plan, others: dict[str, Plan]) -> str:
+    machine, first = next(iter(others.items()))
+    def brief(p: Plan) -> str:
+        return f"{p.precision}, attention {label(p.kernel)}, {p.max_steps} steps"
+    return (f"plan: this machine ({plan.machine}) is not the class this configuration was planned on ({machine}: "
+            f"{brief(first)}); decided here: {brief(plan)}. The weights will differ from that class's.")
+
+
+def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, device: str, world_size: int,
+           gflops: dict[str, float] | None) -> Plan:
+    """Precision, then (model.size auto) the shape, the attention kernel for it, the probe a time budget or
+    compile auto needs, the steps and compile."""
+    from ultrathink.train import sizing
+
+    precision = decide_precision(train_cfg.precision, device, gflops)
+    if train_cfg.precision == "auto":
+        log.info("precision auto → %s (matmul peak: %s)", precision,
+                 ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in (gflops or {}).items()) or "GPU")
+    train_cfg = train_cfg.model_copy(update={"precision": precision})
+    peak = peak_for(precision, device, gflops)
+    budget = Budget.parse(train_cfg.budget) if train_cfg.budget is not None else None
+
+    def measure(model_cfg, train_cfg) -> tuple[AttentionKernel, dict, Probe]:
+        kernel, timings = decide_attention(train_cfg.attention, model_cfg, train_cfg.batch_size, precision, device)
+        return kernel, timings, probe_shape(model_cfg, train_cfg, vocab_size, train_tokens, val_tokens, device,
+                                            kernel)
+
+    sized, probes = None, []
+    if model_cfg.size == "auto":
+        corpus = len(train_tokens)
+        if budget.kind == "seconds":
+            # First guess from the device's matmul peak at a typical small-model utilisation, then once more from
+            # the throughput measured on that guess (smaller models use a device less well).
+            rate = (peak or 1e11) * GUESS_UTILISATION * world_size
+            for _ in range(2):
+                sized = sizing.choose(model_cfg, vocab_size, corpus, flops=rate * budget.amount,
+                                      batch_size=train_cfg.batch_size)
+                shaped = _sized(model_cfg, train_cfg, sized)
+                if probes and probes[-1][0] == (shaped[0], shaped[1].batch_size):
+                    break
+                probes.append(((shaped[0], shaped[1].batch_size), measure(*shaped)))
+                tokens_per_step = shaped[1].batch_size * shaped[1].grad_accum * shaped[0].seq_len * world_size
+                rate = sized.flops_per_token * tokens_per_step / probes[-1][1][2].step_seconds
+        else:
+            sized = sizing.choose(model_cfg, vocab_size, corpus, batch_size=train_cfg.batch_size,
+                                  **{"flops" if budget.kind == "flops" else "tokens": budget.amount})
+        model_cfg, train_cfg = _sized(model_cfg, train_cfg, sized)
+    tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * model_cfg.seq_len * world_size
+    flops_per_token = sizing.counts(sizing.Shape(*(getattr(model_cfg, k) for k in sizing.SHAPE_KEYS)),
+                                    model_cfg, vocab_size)[2]
+    measured = None
+    if budget is not None and (budget.kind == "seconds" or train_cfg.compile == "auto"):
+        if not probes:
+            probes.append((None, measure(model_cfg, train_cfg)))
+        last = probes[-1][1][2]
+        measured = Probe(last.step_seconds, last.first_steps_extra, last.eval_seconds, last.save_seconds,
+                         sum(p[2].seconds for _, p in probes))
+    if probes:
+        kernel, timings = probes[-1][1][:2]
+    else:
+        kernel, timings = decide_attention(train_cfg.attention, model_cfg, train_cfg.batch_size, precision, device)
+    max_steps = steps_for(budget, tokens_per_step, flops_per_token, train_cfg, measured) if budget else \
+        train_cfg.max_steps
+    warmup = warmup_for(max_steps, train_cfg)
+    compile = compile_pays(train_cfg, model_cfg, max_steps, measured)
+    return Plan(train_cfg.budget, max_steps, warmup, tokens_per_step, flops_per_token, precision,
+                kernel.to_dict(), compile, measured, sized.to_dict() if sized else {}, timings)
