@@ -9,7 +9,7 @@ from pathlib import Path
 
 import mlflow
 
-from ultrathink.cli import stage_entry
+from ultrathink.stage import stage_entry
 from ultrathink.config import Params
 from ultrathink.data.packing import load_split, read_meta, val_documents
 from ultrathink.evaluate import (Yardstick, bits_per_byte, encode_documents, sample_generations, score_stream,

@@ -11,7 +11,7 @@ import logging
 import time
 from pathlib import Path
 
-from ultrathink.cli import stage_entry
+from ultrathink.stage import stage_entry
 from ultrathink.config import Params
 from ultrathink.io import atomic_dir, atomic_write_json, atomic_write_text
 

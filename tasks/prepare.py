@@ -4,7 +4,7 @@ the packed files (ids below vocab size, no empty documents, no document in both 
 
 from pathlib import Path
 
-from ultrathink.cli import stage_entry
+from ultrathink.stage import stage_entry
 from ultrathink.config import Params
 from ultrathink.data.packing import prepare_splits
 

@@ -5,7 +5,7 @@ move `champion` to it only when it is better; the decision, the yardstick and bo
 import json
 from pathlib import Path
 
-from ultrathink.cli import stage_entry
+from ultrathink.stage import stage_entry
 from ultrathink.config import Params
 from ultrathink.data.packing import VAL_TEXT_FILE, val_documents
 from ultrathink.evaluate import Yardstick

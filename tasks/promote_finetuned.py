@@ -7,7 +7,7 @@ was nothing to promote."""
 import json
 from pathlib import Path
 
-from ultrathink.cli import stage_entry
+from ultrathink.stage import stage_entry
 from ultrathink.config import Params
 from ultrathink.io import atomic_write_json
 

@@ -3,7 +3,7 @@ exactly as prepare's split chooses it, stays unseen); save a directory transform
 
 from pathlib import Path
 
-from ultrathink.cli import stage_entry
+from ultrathink.stage import stage_entry
 from ultrathink.config import Params
 from ultrathink.data.packing import training_texts
 from ultrathink.tokenizer import train_tokenizer

@@ -11,7 +11,7 @@ from pathlib import Path
 import mlflow
 import torch
 
-from ultrathink.cli import stage_entry
+from ultrathink.stage import stage_entry
 from ultrathink.config import Budget, Params
 from ultrathink.hashing import json_hash
 from ultrathink.data.packing import load_split, read_meta

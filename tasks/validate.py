@@ -16,7 +16,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from ultrathink.cli import stage_entry
+from ultrathink.stage import stage_entry
 from ultrathink.config import Params
 from ultrathink.data.constitution import load_constitution
 from ultrathink.data.engine import validate_in_parts

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from ultrathink.config import ParamsError, Params, load_params, schema_rows
 from ultrathink.errors import StageError
+from ultrathink.stage import log_to_stderr, run_stage
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Pretrain your own LLM as a reproducible pipeline.")
 err = Console(stderr=True)
@@ -32,17 +33,6 @@ def _load(params: Path, overrides: Optional[list[str]]) -> Params:
         raise typer.Exit(2) from None
 
 
-def run_stage(name: str, params: Params) -> None:
-    """Run one stage's `run(params)` from tasks/<name>.py; a stage failure exits non-zero with its message."""
-    log_stage_to_file(name, params)
-    module = importlib.import_module(f"tasks.{name}")
-    try:
-        module.run(params)
-    except StageError as exc:
-        err.print(f"[bold red]{name} failed:[/] {exc}", highlight=False)
-        raise typer.Exit(1) from None
-
-
 @app.command()
 def stage(name: str = typer.Argument(..., help="a stage of dvc.yaml"), params: Path = PARAMS_OPT,
           set_: Optional[list[str]] = SET_OPT) -> None:
@@ -53,7 +43,9 @@ def stage(name: str = typer.Argument(..., help="a stage of dvc.yaml"), params: P
     if name not in stages:
         err.print(f"[bold red]error:[/] unknown stage {name!r}; stages: {', '.join(stages)}")
         raise typer.Exit(2)
-    run_stage(name, _load(params, set_))
+    code = run_stage(name, _load(params, set_))
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command()
@@ -277,46 +269,6 @@ def list_params() -> None:
     Console().print(table)
 
 
-OUR_LOGGERS = ("ultrathink", "tasks")
-
-
-def _log_to_stderr() -> None:
-    """Our own INFO lines (resume, precision choice, the budget's plan) on stderr; other libraries keep their own
-    settings."""
-    for name in OUR_LOGGERS:
-        logger = logging.getLogger(name)
-        if not logger.handlers:
-            handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-            logger.addHandler(handler)
-            logger.setLevel(logging.INFO)
-            logger.propagate = False
-
-
-def log_stage_to_file(stage: str, params: Params) -> Path:
-    """Our log lines at logging.level, on stderr and appended to paths.logs_dir/<stage>.log (time and process id on
-    each line, so the ranks of a torchrun stay apart). Returns the file."""
-    path = Path(params.paths.logs_dir) / f"{stage}.log"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path, encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
-    handler.stage_log = True
-    for name in OUR_LOGGERS:
-        logger = logging.getLogger(name)
-        for old in [h for h in logger.handlers if getattr(h, "stage_log", False)]:  # an earlier stage's file
-            logger.removeHandler(old)
-            old.close()
-        logger.addHandler(handler)
-        logger.setLevel(params.logging.level)
-    return path
-
-
-def stage_entry(name: str) -> None:
-    """`python -m tasks.<name> [--params P] [--set K=V]...` is `ultrathink stage <name> ...`."""
-    _log_to_stderr()
-    app(["stage", name, *sys.argv[1:]], prog_name=f"python -m tasks.{name}")
-
-
 def main() -> None:
-    _log_to_stderr()
+    log_to_stderr()
     app()

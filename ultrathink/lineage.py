@@ -3,18 +3,19 @@ and the parts of a checkpoint's fingerprint."""
 
 from __future__ import annotations
 
+import ast
 import hashlib
-import importlib.util
 import subprocess
 from pathlib import Path
 
 from ultrathink.config import Params
 from ultrathink.train.checkpoint import sha256
 
-# The code that determines the weights a training run computes: the train stage's code dependencies in dvc.yaml
-# (a test keeps the two lists equal). config.py belongs here: it derives `hidden` and `head_dim`; scoring.py computes
-# the validation loss that picks the best checkpoint.
-TRAINING_CODE = ("tasks.train", "ultrathink.config", "ultrathink.model", "ultrathink.scoring", "ultrathink.train")
+# The project's own packages: the module closure of a stage follows imports into these and no others.
+PROJECT_PACKAGES = ("ultrathink", "tasks")
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+# The entry point whose module closure is the code that determines a pretrained model's weights.
+TRAINING_CODE = "tasks.train"
 
 
 def git_commit(root: str | Path = ".") -> str:
@@ -33,23 +34,53 @@ def directory_hash(directory: str | Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def module_files(name: str) -> list[tuple[str, Path]]:
-    """(name relative to the module, path) of a module's source file, or of every .py file in a package."""
-    spec = importlib.util.find_spec(name)
-    if spec is None:
-        raise ModuleNotFoundError(f"training code module {name!r} not found")
-    if spec.submodule_search_locations:  # a package: all of its .py files, bytecode caches excluded
-        base = Path(next(iter(spec.submodule_search_locations)))
-        return [(f"{name}/{p.relative_to(base)}", p) for p in sorted(base.rglob("*.py"))]
-    return [(name, Path(spec.origin))]
+def _source(name: str, root: Path) -> Path | None:
+    base = root.joinpath(*name.split("."))
+    for path in (base / "__init__.py", base.with_suffix(".py")):
+        if path.is_file():
+            return path
+    return None
 
 
-def code_hash(modules: tuple[str, ...] = TRAINING_CODE) -> str:
-    """sha256 of the training code's source files: a change of one line of the model's math changes it."""
+def _imported(name: str, path: Path):
+    """The names a module imports anywhere in its source (function-level imports too): `a.b`, and `a.b.c` for
+    `from a.b import c` (c may be a submodule)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join(parts + ([node.module] if node.module else []))
+            yield module
+            yield from (f"{module}.{alias.name}" for alias in node.names)
+
+
+def module_closure(entry: str, root: Path = PROJECT_ROOT) -> list[Path]:
+    """The source files a `python -m <entry>` process can execute from this project: the entry module and every
+    project module it imports, transitively (the packages' __init__ files included), as paths relative to root."""
+    found, pending = {}, [entry]
+    while pending:
+        name = pending.pop()
+        if name.split(".")[0] not in PROJECT_PACKAGES:
+            continue
+        parts = name.split(".")
+        for depth in range(1, len(parts) + 1):
+            module = ".".join(parts[:depth])
+            if module not in found and (path := _source(module, root)) is not None:
+                found[module] = path
+                pending.extend(_imported(module, path))
+    if entry not in found:
+        raise ModuleNotFoundError(f"{entry}: no such module under {root}")
+    return sorted(path.relative_to(root) for path in found.values())
+
+
+def code_hash(entry: str = TRAINING_CODE, root: Path = PROJECT_ROOT) -> str:
+    """sha256 of the source files in `entry`'s module closure: a change of one line of any code the stage runs
+    changes it."""
     digest = hashlib.sha256()
-    for name in modules:
-        for relative, path in module_files(name):
-            digest.update(f"{relative}\0{sha256(path)}\n".encode())
+    for relative in module_closure(entry, root):
+        digest.update(f"{relative}\0{sha256(root / relative)}\n".encode())
     return digest.hexdigest()[:16]
 
 

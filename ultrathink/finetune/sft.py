@@ -29,9 +29,8 @@ from ultrathink.train.checkpoint import CheckpointManager, Fingerprint, sha256
 from ultrathink.train.plan import Plan, PlanBook, apply_plan, plan_run
 from ultrathink.train.trainer import Trainer
 
-# The code that determines a fine-tuned model's weights (the finetune stage's code dependencies in dvc.yaml).
-FINETUNE_CODE = ("tasks.finetune", "ultrathink.config", "ultrathink.model", "ultrathink.scoring", "ultrathink.train",
-                 "ultrathink.finetune")
+# The entry point whose module closure determines a fine-tuned model's weights (lineage.module_closure).
+FINETUNE_CODE = "tasks.finetune"
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ class Fingerprint:
 
     params: str  # TrainConfig.fingerprint_params: model and train knobs, bookkeeping excluded
     data: str  # hash of the packed token files (and so of the tokenizer)
-    code: str  # hash of the training code (ultrathink.lineage.TRAINING_CODE)
+    code: str  # hash of the code the train stage runs (lineage.code_hash: its module closure)
     parent: str = "none"  # sha256 of the warm start's weights
     plan: str = "none"  # hash of the plan's decisions (precision, attention kernel, compile, shape: plan.py)
 

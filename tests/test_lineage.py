@@ -1,0 +1,64 @@
+"""The code a stage runs is derived from its imports (lineage.module_closure), not kept by hand: dvc.yaml lists at
+least that code for every stage, and the checkpoint fingerprint's code hash moves with exactly that code."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ultrathink.lineage import PROJECT_ROOT, code_hash, module_closure
+
+STAGES = yaml.safe_load((PROJECT_ROOT / "dvc.yaml").read_text())["stages"]
+
+
+def covered(path: Path, deps: list[str]) -> bool:
+    return any(path == Path(dep) or Path(dep) in path.parents for dep in deps)
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_dvc_yaml_lists_every_module_the_stage_imports(stage):
+    entry = STAGES[stage]["cmd"].removeprefix("python -m ").split()[0]
+    deps = [d if isinstance(d, str) else next(iter(d)) for d in STAGES[stage]["deps"]]
+    missing = [str(p) for p in module_closure(entry) if not covered(p, deps)]
+    assert not missing, f"dvc.yaml's {stage} stage runs {entry}, which imports these; add them to its deps: {missing}"
+
+
+def test_the_train_closure_has_the_token_reader_and_the_variants_and_not_the_other_stages():
+    train = {str(p) for p in module_closure("tasks.train")}
+    # The reader that supplies every training batch, the data it reads, and variants loaded by name from a config.
+    assert {"ultrathink/data/packing.py", "ultrathink/model/moe.py", "ultrathink/model/dre.py",
+            "ultrathink/train/trainer.py", "ultrathink/train/plan.py", "tasks/train.py"} <= train
+    # A stage does not run the CLI, another stage's code or the corpus gate.
+    assert not {"ultrathink/cli.py", "tasks/validate.py", "ultrathink/data/validation.py",
+                "ultrathink/registry/champion.py"} & train
+
+
+@pytest.fixture
+def project_copy(tmp_path) -> Path:
+    for package in ("ultrathink", "tasks"):
+        shutil.copytree(PROJECT_ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path
+
+
+def test_the_code_hash_moves_with_code_the_stage_imports_and_only_with_it(project_copy):
+    before = code_hash("tasks.train", project_copy)
+    with (project_copy / "ultrathink/data/validation.py").open("a") as f:  # the corpus gate: not train's code
+        f.write("\n# an edit\n")
+    assert code_hash("tasks.train", project_copy) == before
+    with (project_copy / "ultrathink/data/packing.py").open("a") as f:  # the token reader: train's code
+        f.write("\n# an edit\n")
+    assert code_hash("tasks.train", project_copy) != before
+
+
+def test_the_closure_follows_function_level_and_relative_imports(project_copy):
+    (project_copy / "ultrathink/extra").mkdir()
+    (project_copy / "ultrathink/extra/__init__.py").write_text("")
+    (project_copy / "ultrathink/extra/deep.py").write_text("X = 1\n")
+    (project_copy / "ultrathink/extra/side.py").write_text("def f():\n    from . import deep\n    return deep.X\n")
+    with (project_copy / "tasks/train.py").open("a") as f:
+        f.write("\n\ndef later():\n    from ultrathink.extra import side\n    return side.f()\n")
+    closure = {str(p) for p in module_closure("tasks.train", project_copy)}
+    assert {"ultrathink/extra/__init__.py", "ultrathink/extra/side.py", "ultrathink/extra/deep.py"} <= closure
+    with pytest.raises(ModuleNotFoundError, match="tasks.nothing"):
+        module_closure("tasks.nothing", project_copy)

@@ -1,0 +1,75 @@
+"""Running one stage: `python -m tasks.<name> [--params P] [--set K=V]...` (dvc.yaml's commands) and `ultrathink
+stage <name>` both come here. Kept apart from the CLI so a stage's process imports only what the stage itself
+needs: what it imports is its code in dvc.yaml and in the checkpoint fingerprint (lineage.module_closure)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from pathlib import Path
+
+from ultrathink.config import Params, ParamsError, load_params
+from ultrathink.errors import StageError
+
+OUR_LOGGERS = ("ultrathink", "tasks")
+
+
+def run_stage(name: str, params: Params) -> int:
+    """Run tasks/<name>.py's `run(params)`; a stage failure is one line naming the stage, and exit code 1."""
+    log_stage_to_file(name, params)
+    module = importlib.import_module(f"tasks.{name}")
+    try:
+        module.run(params)
+    except StageError as exc:
+        print(f"{name} failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def stage_entry(name: str) -> None:
+    """`python -m tasks.<name> [--params P] [--set K=V]...`: the params checked by the schema (a bad key or value
+    exits 2, naming it), then the stage."""
+    log_to_stderr()
+    parser = argparse.ArgumentParser(prog=f"python -m tasks.{name}")
+    parser.add_argument("--params", "-p", type=Path, default=Path("params.yaml"), help="params file")
+    parser.add_argument("--set", "-S", action="append", dest="overrides", metavar="KEY=VALUE",
+                        help="override a knob, e.g. -S train.lr=3e-4 (see `ultrathink params`)")
+    args = parser.parse_args()
+    try:
+        params = load_params(args.params, args.overrides)
+    except ParamsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(run_stage(name, params))
+
+
+def log_to_stderr() -> None:
+    """Our own INFO lines (resume, the plan, precision choice) on stderr; other libraries keep their own settings."""
+    for name in OUR_LOGGERS:
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
+
+
+def log_stage_to_file(stage: str, params: Params) -> Path:
+    """Our log lines at logging.level, on stderr and appended to paths.logs_dir/<stage>.log (time and process id on
+    each line, so the ranks of a torchrun stay apart). Returns the file."""
+    path = Path(params.paths.logs_dir) / f"{stage}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
+    handler.stage_log = True
+    for name in OUR_LOGGERS:
+        logger = logging.getLogger(name)
+        for old in [h for h in logger.handlers if getattr(h, "stage_log", False)]:  # an earlier stage's file
+            logger.removeHandler(old)
+            old.close()
+        logger.addHandler(handler)
+        logger.setLevel(params.logging.level)
+    return path
