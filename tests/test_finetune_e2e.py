@@ -22,21 +22,31 @@ from e2e_helpers import client_for, copy_project, ran_stages, set_params, sh
 
 pytestmark = pytest.mark.slow
 
-QUESTION = 'What does the Python language reference say about the "for" statement?'
-# The session's base model is tiny and barely trained (12 steps): 60 LoRA steps lower its held-out answer loss by
-# about 0.025 nats (16 steps: 0.004).
-FINETUNE = {"enabled": True, "max_steps": 60, "batch_size": 8, "warmup_steps": 2, "eval_every": 20, "lr": 0.02,
-            "samples": 2}
+QUESTION = "What colour is box 7?"
+# A learnable task, so what the test asserts does not hang on one machine's numerics: every answer is "Box N is
+# red.", N copied from the question. The session's base model is tiny and barely trained (12 steps); on the embedded
+# pairs 60 LoRA steps lowered its held-out answer loss by 0.025 nats in bf16 and by 0.002 in fp32 (AVX2). Here
+# they lower it by 0.41 in fp32.
+PAIRS = [{"prompt": f"What colour is box {i}?", "response": f"Box {i} is red."} for i in range(240)]
+FINETUNE = {"enabled": True, "data": "data/finetune/boxes.jsonl", "max_steps": 60, "batch_size": 8,
+            "warmup_steps": 2, "eval_every": 20, "lr": 0.02, "samples": 2}
 
 
 @pytest.fixture(scope="module")
 def project(trained_project, tmp_path_factory) -> Path:
-    """The trained project (ultrathink v1 is champion) after `dvc repro` with fine-tuning switched on."""
+    """The trained project (ultrathink v1 is champion) after `dvc repro` with fine-tuning switched on. Tests that
+    change it work on a copy (`changed`), so each passes alone and in any order."""
     project = copy_project(trained_project, tmp_path_factory.mktemp("finetune"))
+    (project / FINETUNE["data"]).write_text("".join(json.dumps(pair) + "\n" for pair in PAIRS))
     set_params(project, {"finetune": FINETUNE})
     done = sh(["dvc", "repro"], project)
     assert ran_stages(done.stdout) == ["finetune", "promote_finetuned"]
     return project
+
+
+@pytest.fixture
+def changed(project, tmp_path) -> Path:
+    return copy_project(project, tmp_path)
 
 
 def report(project: Path, name: str) -> dict:
@@ -45,7 +55,7 @@ def report(project: Path, name: str) -> dict:
 
 def test_lora_fine_tuning_lowers_the_answer_loss_and_becomes_the_chat_champion(project):
     metrics = report(project, "finetune.json")
-    assert metrics["ft_response_loss"] < metrics["ft_response_loss_before"] - 0.01, metrics
+    assert metrics["ft_response_loss"] < metrics["ft_response_loss_before"] - 0.2, metrics  # fp32: 0.41, bf16: more
     assert 0 < metrics["ft_trainable_share"] < 0.5 and metrics["ft_trainable_params"] > 0
     assert metrics["ft_heldout_pairs"] > 10 and metrics["base_model"] == "models:/ultrathink/1"
     assert {"well-formed rows", "response not empty", "row count"} <= {r["name"] for r in metrics["gate"]["results"]}
@@ -135,7 +145,8 @@ def test_served_champions_answer_as_generate_and_chat_do(project):
     assert chatted.stdout == answer + "\n"
 
 
-def test_a_worse_fine_tune_is_registered_but_the_chat_champion_stays(project):
+def test_a_worse_fine_tune_is_registered_but_the_chat_champion_stays(changed):
+    project = changed
     set_params(project, {"finetune": {**FINETUNE, "max_steps": 2, "warmup_steps": 1, "eval_every": 2, "lr": 1e-4}})
     done = sh(["dvc", "repro"], project)
     assert ran_stages(done.stdout) == ["finetune", "promote_finetuned"]
@@ -150,7 +161,8 @@ def test_a_worse_fine_tune_is_registered_but_the_chat_champion_stays(project):
     assert int(client_for(project).get_model_version_by_alias("ultrathink-chat", "champion").version) == 1
 
 
-def test_bad_pairs_stop_at_the_gate_and_register_nothing(project):
+def test_bad_pairs_stop_at_the_gate_and_register_nothing(changed):
+    project = changed
     before = len(client_for(project).search_model_versions("name='ultrathink-chat'"))
     rows = [{"prompt": f"question {i}", "response": f"answer {i}"} for i in range(30)] + [{"prompt": "q", "response": ""}]
     (project / "data/finetune/pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
