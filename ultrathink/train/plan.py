@@ -278,6 +278,11 @@ def plan_run(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, de
     return Decided(plan, True, others, peak_for(plan.precision, device, gflops), key)
 
 
+def round_figures(value: float, figures: int = 2) -> float:
+    """A measured rate to 2 significant figures: sizing then sees the same number from timings a few % apart."""
+    return float(f"{value:.{figures - 1}e}")
+
+
 def other_class_line(plan: Plan, others: dict[str, Plan]) -> str:
     machine, first = next(iter(others.items()))
     def brief(p: Plan) -> str:
@@ -311,7 +316,7 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, devi
         if budget.kind == "seconds":
             # First guess from the device's matmul peak at a typical small-model utilisation, then once more from
             # the throughput measured on that guess (smaller models use a device less well).
-            rate = (peak or 1e11) * GUESS_UTILISATION * world_size
+            rate = round_figures((peak or 1e11) * GUESS_UTILISATION * world_size)
             for _ in range(2):
                 sized = sizing.choose(model_cfg, vocab_size, corpus, flops=rate * budget.amount,
                                       batch_size=train_cfg.batch_size)
@@ -320,7 +325,7 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, devi
                     break
                 probes.append(((shaped[0], shaped[1].batch_size), measure(*shaped)))
                 tokens_per_step = shaped[1].batch_size * shaped[1].grad_accum * shaped[0].seq_len * world_size
-                rate = sized.flops_per_token * tokens_per_step / probes[-1][1][2].step_seconds
+                rate = round_figures(sized.flops_per_token * tokens_per_step / probes[-1][1][2].step_seconds)
         else:
             sized = sizing.choose(model_cfg, vocab_size, corpus, batch_size=train_cfg.batch_size,
                                   **{"flops" if budget.kind == "flops" else "tokens": budget.amount})

@@ -10,7 +10,7 @@ The rule, in three steps:
 2. **Tokens each candidate can see**: the budget's FLOPs divided by the candidate's training FLOPs per token (the
    model's own count, `UltraThink.flops_per_token`). A time budget becomes FLOPs at the throughput measured on this
    machine (budget.py's probe).
-3. **Predicted loss**, and the lowest wins: Chinchilla's fit L(N, D) = E + A/N^α + B/D^β (Hoffmann et al. 2022,
+3. **Predicted loss**, and the lowest wins (within TIE of it, the cheapest shape): Chinchilla's fit L(N, D) = E + A/N^α + B/D^β (Hoffmann et al. 2022,
    approach 3; N = non-embedding parameters), with D the *effective* tokens when the corpus repeats — each further
    epoch is worth less, with the decay Muennighoff et al. 2023 fitted (R* = 15.4). So a small corpus and a large
    budget give a wider model trained for fewer epochs, rather than 100 passes over the same text.
@@ -34,6 +34,10 @@ CHINCHILLA = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
 REPEAT_DECAY = 15.4  # Muennighoff et al. 2023: R*_D, repetitions after which added epochs are worth 1/e as much
 TOKENS_PER_PARAM = 20  # Chinchilla's compute-optimal ratio, used when the budget is in tokens
 TARGET_STEPS = 1000
+# Predicted losses this close (relative) are a tie: the fit cannot tell them apart, and a measured throughput that
+# moves with the machine's load would otherwise pick either. A tie goes to the cheaper shape (fewer FLOPs per
+# token, then fewer parameters): more steps in the same budget.
+TIE = 0.005
 MIN_BATCH = 4
 HEAD_DIM = 64
 MAX_LAYERS = 32
@@ -159,8 +163,10 @@ def choose(model_cfg, vocab_size: int, corpus_tokens: int, *, flops: float | Non
     if not scored:
         raise ValueError(f"model.size auto: no valid shape agrees with the fixed keys {fixed}")
     scored.sort(key=lambda row: row[0])
-    score, shape, params, non_embedding, per_token, seen = scored[0]
-    runner = scored[1] if len(scored) > 1 else None
+    tied = [row for row in scored if row[0] <= scored[0][0] * (1 + TIE)]
+    chosen = min(tied, key=lambda row: (row[4], row[2], row[0]))
+    score, shape, params, non_embedding, per_token, seen = chosen
+    runner = next((row for row in scored if row is not chosen), None)
     return Sizing(shape, batch_size or batch_for(seen, shape.seq_len), params, non_embedding, per_token, seen,
                   seen / corpus_tokens, score,
                   {"shape": asdict(runner[1]), "score": runner[0]} if runner else {})

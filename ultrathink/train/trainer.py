@@ -246,6 +246,10 @@ class Trainer:
         bar = tqdm(total=self.cfg.max_steps, initial=self.step, desc="train", unit="step",
                    disable=None if self.dist.is_main else True, leave=False)
         peak = self.peak_flops or peak_flops(self.cfg.precision, self.dist.device)  # None: MFU is left out
+        if peak and self.dist.is_main:
+            log.info("mfu: model FLOPs per second over %s of %.0f GFLOP/s per rank (%s)",
+                     "the datasheet peak" if self.dist.kind == "cuda" else "the measured matmul peak", peak / 1e9,
+                     self.cfg.precision)
         pace = Pace(started)
         while self.step < self.cfg.max_steps and not stop:
             outcome = self.train_step()

@@ -1,0 +1,66 @@
+"""Same commit, same machine class, same bytes: the train stage run again in a new process — beside a process that
+keeps a core busy — with the defaults that used to follow timings (dropout 0.1, train.attention and
+train.precision auto) trains bit-identical weights, writes a bit-identical model directory, and DVC finds the
+pipeline up to date. Deleting the recorded plan makes the next run measure again."""
+
+import hashlib
+import json
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import yaml
+
+from e2e_helpers import copy_project, sh
+
+pytestmark = pytest.mark.slow
+
+MODEL_FILES = ("model.safetensors", "config.json", "history.json", "train_summary.json", "lineage.json")
+
+
+def digests(project: Path) -> dict[str, str]:
+    model = project / "artifacts/model"
+    return {name: hashlib.sha256((model / name).read_bytes()).hexdigest() for name in MODEL_FILES}
+
+
+@contextmanager
+def busy_core():
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+def test_a_second_run_beside_a_busy_core_trains_the_same_bytes_and_dvc_is_up_to_date(trained_project, tmp_path):
+    project = copy_project(trained_project, tmp_path)
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    assert params["model"]["dropout"] > 0 and params["train"]["attention"] == params["train"]["precision"] == "auto"
+    first, first_run = digests(project), json.loads((project / "reports/train_run.json").read_text())
+    for gone in ("artifacts/model", "artifacts/checkpoints"):
+        sh(["rm", "-rf", gone], project)
+
+    with busy_core():
+        again = sh([sys.executable, "-m", "tasks.train"], project)
+    assert "(recorded for cpu/" in again.stderr  # the plan was read back: nothing was measured
+    assert "attention auto →" not in again.stderr and "precision auto →" not in again.stderr
+    assert digests(project) == first
+    second_run = json.loads((project / "reports/train_run.json").read_text())
+    assert second_run["run_id"] != first_run["run_id"] and second_run["model_sha256"] == first_run["model_sha256"]
+    status = sh(["dvc", "status", "train"], project)
+    assert "up to date" in status.stdout, status.stdout
+
+
+def test_deleting_the_recorded_plan_measures_again(trained_project, tmp_path):
+    project = copy_project(trained_project, tmp_path)
+    book = json.loads((project / "plans/train.json").read_text())
+    ((machine, entry),) = [(m, e) for m, e in book.items() if e["plans"]]
+    (project / "plans/train.json").unlink()
+    again = sh([sys.executable, "-m", "tasks.train", "-S", "train.resume=false"], project)
+    assert f"(measured on {machine})" in again.stderr and "attention auto →" in again.stderr
+    remade = json.loads((project / "plans/train.json").read_text())
+    assert remade[machine]["plans"].keys() == entry["plans"].keys()
+    assert remade[machine]["matmul_gflops"].keys() == {"fp32", "bf16"}
