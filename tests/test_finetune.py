@@ -170,7 +170,8 @@ def test_the_embedded_pairs_ask_about_the_reference_and_hold_out_whole_answers()
 
 
 def test_lora_trains_only_the_adapters_and_merges_into_plain_weights(assets, tmp_path):
-    params = Params(paths={"finetune_checkpoint_dir": str(tmp_path / "ckpt")},
+    params = Params(paths={"finetune_checkpoint_dir": str(tmp_path / "ckpt"),
+                           "finetune_plan": str(tmp_path / "plan.json")},
                     train={"precision": "fp32", "attention": "torch", "log_every": 2},
                     finetune={"max_steps": 24, "batch_size": 4, "warmup_steps": 1, "eval_every": 12, "lr": 0.02,
                               "lora": {"r": 4, "alpha": 8.0, "dropout": 0.0}})
