@@ -29,7 +29,7 @@ from ultrathink.train.distributed import Distributed, setup
 from ultrathink.train.loader import TokenWindows
 from ultrathink.train.plan import Decided, Plan, PlanBook, apply_plan, plan_run
 from ultrathink.train.sizing import Sizing
-from ultrathink.train.precision import keep_freed_host_memory
+from ultrathink.train.precision import keep_freed_host_memory, use_deterministic_kernels
 from ultrathink.train.trainer import Deadline, Trainer
 from ultrathink.train.warm_start import (LINEAGE_FILE, Parent, WarmStartError, check_optimizer, find_parent,
                                         load_parent_weights)
@@ -131,6 +131,7 @@ def run(params: Params) -> None:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     keep_freed_host_memory()
+    use_deterministic_kernels(cfg.deterministic)
     dist = setup(cfg.backend)
     try:
         trainer, parent, decided = build_trainer(params, dist)

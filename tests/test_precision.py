@@ -2,6 +2,7 @@
 where even that fails. No GPU needed: the GPU's name and the GPU measurement are stood in for; the CPU really measures."""
 
 import logging
+import os
 
 import pytest
 import torch
@@ -126,3 +127,16 @@ def test_matmul_gflops_takes_a_device():
     rng = torch.get_rng_state()
     assert matmul_gflops(torch.float32, size=128, repeats=2, device="cpu") > 0
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_train_deterministic_switches_torch_to_deterministic_kernels(monkeypatch):
+    from ultrathink.train.precision import use_deterministic_kernels
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        use_deterministic_kernels(True)
+        assert torch.are_deterministic_algorithms_enabled() and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert not torch.backends.cudnn.benchmark
+    finally:
+        use_deterministic_kernels(False)
+    assert not torch.are_deterministic_algorithms_enabled()

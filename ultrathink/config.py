@@ -387,6 +387,9 @@ class TrainConfig(Section):
     init_optimizer: bool = Field(
         False, description="warm start from a checkpoint: also load its optimizer state (same optimizer and "
         "shapes); the learning-rate schedule is always this run's")
+    deterministic: bool = Field(
+        False, description="torch.use_deterministic_algorithms(True) (and CUBLAS_WORKSPACE_CONFIG=:4096:8, cuDNN "
+        "autotuning off): bitwise repeatable runs on a GPU, at some speed; CPU kernels are deterministic already")
     tensorboard: bool = Field(
         False, description="also write every step's metrics (loss, lr, gradient norm, throughput, routing health) "
         "as TensorBoard scalars, to paths.tensorboard_dir/<MLflow run id>")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 import time
 
 import torch
@@ -123,6 +124,15 @@ def peak_flops(precision: str, device: str = "cpu") -> float | None:
                     "reads higher than a datasheet-based MFU; add the GPU's datasheet peak to the table", name,
                     precision, peak / 1e12)
     return peak
+
+
+def use_deterministic_kernels(on: bool) -> None:
+    """train.deterministic: torch raises on an op that has no deterministic kernel instead of running a
+    nondeterministic one; cuBLAS needs a fixed workspace for that, set before its first call."""
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(on)
 
 
 def keep_freed_host_memory() -> bool:
