@@ -5,7 +5,8 @@ adapters (or every weight) on the answer tokens only, merges the adapters, and w
 (plain UltraThink weights), tokenizer/ (the base tokenizer with the chat template), heldout.jsonl (the held-out
 chats: promote_finetuned's yardstick) and finetune.json (what was done). The report (paths.finetune_report) has the
 gate's results, the answer-only loss and bits per byte on the held-out chats before and after, and sample answers.
-Off, the stage writes a finetune.json that says so and nothing else, so the pipeline's DAG stays one for both."""
+Off, the stage writes a finetune.json that says so (and an empty plan book, paths.finetune_plan, if there is none),
+so the pipeline's DAG stays one for both."""
 
 import logging
 import time
@@ -26,6 +27,8 @@ def run(params: Params) -> None:
         with atomic_dir(params.paths.finetuned_dir) as out:
             atomic_write_json(out / STATUS_FILE, {"enabled": False})
         atomic_write_json(params.paths.finetune_report, {"enabled": False})
+        if not Path(params.paths.finetune_plan).exists():  # an output of the stage: an empty book until it trains
+            atomic_write_json(params.paths.finetune_plan, {})
         print("finetune: off (finetune.enabled: false)")
         return
     finetune(params)

@@ -1,0 +1,75 @@
+"""Does a time budget's measuring run end on its budget? The real stages (validate, tokenizer, prepare once; then
+train once per budget) in a copy of this project, with `train.budget`, `model.size: auto` and
+`tokenizer.vocab_size: auto`, as a user runs them. For each budget it prints what the budget pays for — the plan's
+probe and the training loop (validation passes and checkpoints included) — against the budget, the steps the
+run re-planned to while training, and the stage's wall time with its start-up.
+
+    .venv/bin/python benchmarks/budget_accuracy.py [--corpus ../shared/data/tinyshakespeare.txt]
+        [--budgets 30s 2min 5min] [--set key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.e2e_helpers import make_project, set_params, sh  # noqa: E402
+
+from ultrathink.config import Budget  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def prepared_project(tmp: Path, corpus: Path, overrides: list[str]) -> Path:
+    project = make_project(tmp)
+    (project / "data" / "raw" / "corpus.txt").write_text(corpus.read_text(encoding="utf-8"), encoding="utf-8")
+    shutil.copy(ROOT / "params.yaml", project / "params.yaml")  # the shipped params, not the tests' tiny ones
+    set_params(project, {"data": {"source": "data/raw/corpus.txt"}, "tokenizer": {"vocab_size": "auto"},
+                         "model": {"size": "auto"}})
+    for stage in ("validate", "tokenizer", "prepare"):
+        sh([sys.executable, "-m", f"tasks.{stage}", *sum((["--set", o] for o in overrides), [])], project)
+    return project
+
+
+def train(project: Path, budget: str, overrides: list[str]) -> dict:
+    started = time.perf_counter()
+    sh([sys.executable, "-m", "tasks.train", "--set", f"train.budget={budget}",
+        *sum((["--set", o] for o in overrides), [])], project)
+    stage_seconds = time.perf_counter() - started
+    facts = json.loads((project / "reports" / "train_run.json").read_text())
+    ((plan,),) = [[p for p in entry["plans"].values() if p["budget"] == budget]
+                  for entry in json.loads((project / "plans" / "train.json").read_text()).values()]
+    amount = Budget.parse(budget).amount
+    spent = plan["probe"]["seconds"] + facts["seconds"]
+    return {"budget": budget, "probe_s": plan["probe"]["seconds"], "train_s": facts["seconds"], "spent_s": spent,
+            "ratio": spent / amount, "replans": plan["replans"], "steps": plan["max_steps"],
+            "stage_s": stage_seconds, "shape": plan["sizing"]["shape"], "batch": plan["sizing"]["batch_size"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corpus", type=Path, default=SHAKESPEARE)
+    parser.add_argument("--budgets", nargs="+", default=["30s", "2min", "5min"])
+    parser.add_argument("--set", action="append", default=[], dest="overrides")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="ultrathink-budget-") as tmp:
+        project = prepared_project(Path(tmp), args.corpus, args.overrides)
+        rows = [train(project, budget, args.overrides) for budget in args.budgets]
+    print(f"\n{'budget':>7} {'probe s':>8} {'train s':>8} {'spent s':>8} {'spent/budget':>13} {'steps':>6} "
+          f"{'stage s':>8}  re-plans (step → steps)   shape")
+    for r in rows:
+        s = r["shape"]
+        print(f"{r['budget']:>7} {r['probe_s']:8.1f} {r['train_s']:8.1f} {r['spent_s']:8.1f} {r['ratio']:13.3f} "
+              f"{r['steps']:6d} {r['stage_s']:8.1f}  {', '.join(f'{a}→{b}' for a, b in r['replans']) or 'none':24} "
+              f"d{s['d_model']}×{s['n_layers']} seq {s['seq_len']} batch {r['batch']}")
+
+
+if __name__ == "__main__":
+    main()
