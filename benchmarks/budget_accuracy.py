@@ -27,12 +27,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 
-def prepared_project(tmp: Path, corpus: Path, overrides: list[str]) -> Path:
+def prepared_project(tmp: Path, corpus: Path, budget: str, overrides: list[str]) -> Path:
     project = make_project(tmp)
     (project / "data" / "raw" / "corpus.txt").write_text(corpus.read_text(encoding="utf-8"), encoding="utf-8")
     shutil.copy(ROOT / "params.yaml", project / "params.yaml")  # the shipped params, not the tests' tiny ones
     set_params(project, {"data": {"source": "data/raw/corpus.txt"}, "tokenizer": {"vocab_size": "auto"},
-                         "model": {"size": "auto"}})
+                         "model": {"size": "auto"}, "train": {"budget": budget}})
     for stage in ("validate", "tokenizer", "prepare"):
         sh([sys.executable, "-m", f"tasks.{stage}", *sum((["--set", o] for o in overrides), [])], project)
     return project
@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="ultrathink-budget-") as tmp:
-        project = prepared_project(Path(tmp), args.corpus, args.overrides)
+        project = prepared_project(Path(tmp), args.corpus, args.budgets[0], args.overrides)
         rows = [train(project, budget, args.overrides) for budget in args.budgets]
     print(f"\n{'budget':>7} {'probe s':>8} {'train s':>8} {'spent s':>8} {'spent/budget':>13} {'steps':>6} "
           f"{'stage s':>8}  re-plans (step → steps)   shape")

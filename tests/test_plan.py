@@ -1,0 +1,67 @@
+"""The plan book (ultrathink/train/plan.py): a configuration is planned once per machine class and read back after;
+another class decides for itself and says so in one line; a book that cannot be read is named."""
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from ultrathink.config import ModelConfig, TrainConfig
+from ultrathink.train import plan as plan_module
+from ultrathink.train.plan import PlanBook, cpu_isa, machine_class, plan_run
+
+MODEL = ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, seq_len=16, dropout=0.1)
+TRAIN = TrainConfig(max_steps=20, warmup_steps=2, batch_size=4)  # precision and attention: auto
+
+
+def tokens(n: int) -> np.ndarray:
+    return np.resize(np.random.default_rng(0).integers(0, 60, 41), n).astype(np.uint16)
+
+
+def planned(book: PlanBook):
+    return plan_run(MODEL, TRAIN, 64, tokens(4000), tokens(600), "cpu", 1, book)
+
+
+def test_a_configuration_is_measured_once_then_read_back(tmp_path, monkeypatch):
+    book = PlanBook(tmp_path / "plans/train.json")
+    first = planned(book)
+    assert first.measured and first.plan.precision in ("fp32", "bf16") and first.plan.machine == machine_class("cpu")
+    assert first.plan.attention_ms  # attention auto timed its candidates
+    monkeypatch.setattr(plan_module, "decide", lambda *a, **k: pytest.fail("a recorded plan was measured again"))
+    monkeypatch.setattr(plan_module, "_measure_peak", lambda *a: pytest.fail("the recorded matmul peak was measured"))
+    again = planned(book)
+    assert not again.measured and again.plan == first.plan and again.key == first.key
+    assert again.peak_flops == first.peak_flops
+    # Another configuration is another entry: it is planned (measured) on its own.
+    monkeypatch.undo()
+    other = plan_run(MODEL, TRAIN.model_copy(update={"lr": 1e-3}), 64, tokens(4000), tokens(600), "cpu", 1, book)
+    assert other.measured and other.key != first.key
+    assert len(json.loads(book.path.read_text())[first.plan.machine]["plans"]) == 2
+
+
+def test_another_machine_class_decides_for_itself_and_says_so(tmp_path, caplog):
+    book = PlanBook(tmp_path / "train.json")
+    first = planned(book)
+    recorded = json.loads(book.path.read_text())
+    elsewhere = "cpu/GenuineIntel/amx_bf16/56 threads/torch 2.13"
+    book.path.write_text(json.dumps({elsewhere: recorded[first.plan.machine]}))  # only another class has it
+    with caplog.at_level(logging.WARNING, logger="ultrathink.train.plan"):
+        here = planned(book)
+    assert here.measured and list(here.others) == [elsewhere]
+    (line,) = [r.message for r in caplog.records if "is not the class" in r.message]
+    assert elsewhere in line and here.plan.machine in line and "The weights will differ" in line
+    assert set(json.loads(book.path.read_text())) == {elsewhere, here.plan.machine}  # recorded beside it
+
+
+def test_an_unreadable_book_is_named(tmp_path):
+    path = tmp_path / "train.json"
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="train.json: not a plan book"):
+        planned(PlanBook(path))
+
+
+def test_the_isa_is_the_widest_matmul_instruction_set():
+    assert cpu_isa({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}) == "amx_bf16"
+    assert cpu_isa({"avx2", "avx512f", "avx512_bf16"}) == "avx512_bf16"
+    assert cpu_isa({"avx2", "fma"}) == "avx2" and cpu_isa(set()) == "baseline"
