@@ -144,6 +144,12 @@ def test_a_time_plan_probes_a_copy_and_leaves_the_generators_alone():
     assert again_model == model and again_train == train
 
 
+def recorded_plans(project: Path, budget: str) -> list[dict]:
+    """The plans of `budget` in the project's book (it also holds the shipped configuration's reference plan)."""
+    book = json.loads((project / "plans/train.json").read_text())
+    return [plan for entry in book.values() for plan in entry["plans"].values() if plan["budget"] == budget]
+
+
 def _prepared(tmp_path, changes: dict) -> Path:
     project = make_project(tmp_path)
     set_params(project, changes)
@@ -163,8 +169,7 @@ def test_train_stage_spends_a_budget_records_the_plan_and_reuses_it(tmp_path, mo
     summary = json.loads((project / "artifacts/model/train_summary.json").read_text())
     plan = summary["plan"]
     assert summary["steps"] == plan["max_steps"] > 0 and "probe" not in plan
-    (recorded,) = [entry["plans"] for entry in json.loads((project / "plans/train.json").read_text()).values()]
-    ((key, plan),) = recorded.items()
+    (plan,) = recorded_plans(project, "6s")
     assert plan["probe"]["step_seconds"] > 0 and plan["max_steps"] == summary["steps"]
     config = json.loads((project / "artifacts/model/config.json").read_text())["model"]
     assert {k: config[k] for k in sizing.SHAPE_KEYS} == plan["sizing"]["shape"]
@@ -197,7 +202,7 @@ def test_a_tokens_budget_trains_exactly_its_steps(tmp_path):
     assert summary["steps"] == math.ceil(3000 / tokens_per_step) == summary["plan"]["max_steps"]
     assert summary["plan"]["warmup_steps"] == round(0.25 * summary["steps"])
     # compile auto measured the eager step (a probe) and found the run far too short for a compile to pay.
-    ((plan,),) = [list(e["plans"].values()) for e in json.loads((project / "plans/train.json").read_text()).values()]
+    (plan,) = recorded_plans(project, "3000tokens")
     assert plan["probe"]["step_seconds"] > 0 and plan["compile"] is False and summary["plan"]["compile"] is False
 
 

@@ -51,7 +51,8 @@ def test_a_code_change_retrains_and_never_publishes_the_old_weights(project):
     assert edited != source, "the rotary line to edit was not found"
     model_py.write_text(edited)
     done = sh(["dvc", "repro"], project)
-    assert ran_stages(done.stdout) == ["train", "evaluate", "promote", "finetune"]
+    # Every stage that runs the model's code: promote_finetuned scores chat models with it.
+    assert ran_stages(done.stdout) == ["train", "evaluate", "promote", "finetune", "promote_finetuned"]
     log = done.stdout + done.stderr
     assert "not resuming from" in log and "made with other code" in log
     summary = json.loads((project / "artifacts/model/train_summary.json").read_text())
