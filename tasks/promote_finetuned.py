@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ultrathink.stage import stage_entry
 from ultrathink.config import Params
+from ultrathink.config.fingerprint import section_hash
 from ultrathink.io import atomic_write_json
 
 from tasks.finetune import HELDOUT_FILE, STATUS_FILE
@@ -31,7 +32,7 @@ def run(params: Params) -> None:
     from ultrathink.registry.tracking import load_run_id
 
     yardstick = ChatYardstick(tuple(tuple(chat) for chat in read_chats(out / HELDOUT_FILE)))
-    tags = {"git_commit": git_commit(), "params_hash": params.section_hash("finetune", "train"),
+    tags = {"git_commit": git_commit(), "params_hash": section_hash(params, "finetune", "train"),
             "code_hash": code_hash(FINETUNE_CODE), "fingerprint": status["fingerprint"], **status["base"]}
     decision = promote(out / "model", out / "tokenizer", yardstick, params.registry, params.evaluate, tags,
                        load_run_id(out), Path("."), known_bpb=status["metrics"]["ft_response_bpb"],

@@ -4,6 +4,7 @@ import pytest
 import yaml
 
 from ultrathink.config import Params, ParamsError, default_params_yaml, load_params, schema_rows
+from ultrathink.config.fingerprint import training_params_hash
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,12 +79,12 @@ def count_leaves(tree) -> int:
 
 def test_fingerprint_params_ignore_bookkeeping_only():
     p = Params()
-    base = p.train.fingerprint_params(p.model)
+    base = training_params_hash(p.model, p.train)
     for bookkeeping in ({"eval_every": 7}, {"select": "last"}, {"keep_configs": 9}, {"init_from": "artifacts/model"}):
-        assert p.train.model_copy(update=bookkeeping).fingerprint_params(p.model) == base
-    assert p.train.model_copy(update={"lr": 1e-4}).fingerprint_params(p.model) != base
-    assert p.train.model_copy(update={"max_steps": 600}).fingerprint_params(p.model) != base
-    assert p.train.fingerprint_params(p.model.model_copy(update={"d_model": 64})) != base
+        assert training_params_hash(p.model, p.train.model_copy(update=bookkeeping)) == base
+    assert training_params_hash(p.model, p.train.model_copy(update={"lr": 1e-4})) != base
+    assert training_params_hash(p.model, p.train.model_copy(update={"max_steps": 600})) != base
+    assert training_params_hash(p.model.model_copy(update={"d_model": 64}), p.train) != base
 
 
 def test_fingerprint_covers_data_code_and_parent():

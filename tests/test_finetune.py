@@ -23,7 +23,7 @@ from ultrathink.model import UltraThink
 from ultrathink.model.export import export_hf
 from ultrathink.scoring import IGNORE, chat_rows, encode_conversation, fit_window
 from ultrathink.tokenizer import load_tokenizer, train_tokenizer
-from ultrathink.train.checkpoint import sha256
+from ultrathink.hashing import file_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = [f"The cat number {i} sat on the mat and looked at the dog, which barked {i % 7} times." for i in range(300)]
@@ -179,7 +179,7 @@ def test_lora_trains_only_the_adapters_and_merges_into_plain_weights(assets, tmp
     chats = [[user(f"Where is cat {i}?"), assistant(f"Cat {i} sat on the mat.")] for i in range(16)]
     heldout = [[user(f"Where is cat {i}?"), assistant(f"Cat {i} sat on the mat.")] for i in range(16, 20)]
     base = Base("dir", str(assets / "model"), assets / "model", assets / "tokenizer",
-                sha256(assets / "model" / "model.safetensors"))
+                file_sha256(assets / "model" / "model.safetensors"))
     original = UltraThink.from_pretrained(assets / "model").state_dict()
     setup = build(params, base, tokenizer, chats, heldout)
     trained, total = trainable_share(setup.trainer.model)

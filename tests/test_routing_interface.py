@@ -6,17 +6,14 @@ trainer or the engines."""
 from __future__ import annotations
 
 import math
-from typing import ClassVar
-
 import torch
 
 from test_train import MODEL, make_trainer, poison
 from ultrathink.config import VariantConfig
-from ultrathink.model.routing import Routing, RoutingModule, count, prefixed
+from ultrathink.model.routing import Routing, RoutingModule, count, implements, prefixed
 
 
 class TallyConfig(VariantConfig):
-    implementation: ClassVar[str] = "test_routing_interface:Tally"
     enabled: bool = True
     every: int = 2
     aux_loss_weight: float = 0.5
@@ -26,6 +23,7 @@ class TalliedModelConfig(type(MODEL)):
     tally: TallyConfig = TallyConfig()
 
 
+@implements(TallyConfig)
 class Tally(RoutingModule):
     """Wraps a block; counts the tokens it saw in applied training steps (a buffer only `update` moves) and adds
     a weighted mean square of its output as aux loss."""

@@ -4,12 +4,12 @@ and the parts of a checkpoint's fingerprint."""
 from __future__ import annotations
 
 import ast
-import hashlib
 import subprocess
 from pathlib import Path
 
 from ultrathink.config import Params
-from ultrathink.train.checkpoint import sha256
+from ultrathink.config.fingerprint import params_hash
+from ultrathink.hashing import directory_hash, files_hash
 
 # The project's own packages: the module closure of a stage follows imports into these and no others.
 PROJECT_PACKAGES = ("ultrathink", "tasks")
@@ -24,14 +24,6 @@ def git_commit(root: str | Path = ".") -> str:
         return out.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-
-
-def directory_hash(directory: str | Path) -> str:
-    """sha256 over the names and contents of the files in a directory, in sorted order."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in Path(directory).rglob("*") if p.is_file()):
-        digest.update(f"{path.relative_to(directory)}\0{sha256(path)}\n".encode())
-    return digest.hexdigest()[:16]
 
 
 def _source(name: str, root: Path) -> Path | None:
@@ -78,16 +70,13 @@ def module_closure(entry: str, root: Path = PROJECT_ROOT) -> list[Path]:
 def code_hash(entry: str = TRAINING_CODE, root: Path = PROJECT_ROOT) -> str:
     """sha256 of the source files in `entry`'s module closure: a change of one line of any code the stage runs
     changes it."""
-    digest = hashlib.sha256()
-    for relative in module_closure(entry, root):
-        digest.update(f"{relative}\0{sha256(root / relative)}\n".encode())
-    return digest.hexdigest()[:16]
+    return files_hash(root, module_closure(entry, root))
 
 
 def lineage_tags(params: Params, root: str | Path = ".") -> dict[str, str]:
     return {
         "git_commit": git_commit(root),
-        "params_hash": params.params_hash(),
+        "params_hash": params_hash(params),
         "data_hash": directory_hash(Path(root) / params.paths.prepared_dir),
         "code_hash": code_hash(),
     }

@@ -7,7 +7,6 @@ is no unknown token. The literal text "<|endoftext|>" inside a document is encod
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections.abc import Iterable
@@ -17,6 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from ultrathink.config import TokenizerConfig
+from ultrathink.hashing import json_hash
 from ultrathink.io import atomic_dir
 
 EOS_TOKEN = "<|endoftext|>"
@@ -78,7 +78,7 @@ def tokenizer_hash(tokenizer_dir: str | Path) -> str:
     spec = _spec(tokenizer_dir)
     identity = {"model": spec.get("model"),
                 "added_tokens": [(t["id"], t["content"]) for t in spec.get("added_tokens", [])]}
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    return json_hash(identity)
 
 
 def vocab_difference(a_dir: str | Path, b_dir: str | Path, show: int = 3) -> str:

@@ -5,8 +5,6 @@ configuration (knobs, pairs, code, base weights), as pretraining's do."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +15,6 @@ from ultrathink.config import Params, TrainConfig
 from ultrathink.finetune.chat import reply
 from ultrathink.finetune.lora import add_adapters, merged
 from ultrathink.finetune.pairs import ChatBatches, ChatEval
-from ultrathink.hashing import json_hash
 from ultrathink.lineage import code_hash
 from ultrathink.model import UltraThink
 from ultrathink.model.model import WEIGHTS_FILE
@@ -25,7 +22,9 @@ from ultrathink.registry.champion import CHAMPION
 from ultrathink.registry.tracking import pin_model_uri
 from ultrathink.scoring import TextScore, score_conversations
 from ultrathink.text_eval import is_mlflow_uri, resolve_model
-from ultrathink.train.checkpoint import CheckpointManager, Fingerprint, sha256
+from ultrathink.config.fingerprint import finetune_params_hash
+from ultrathink.hashing import file_sha256, json_hash
+from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.plan import Plan, PlanBook, apply_plan, plan_run
 from ultrathink.train.trainer import Trainer
 
@@ -54,7 +53,7 @@ def resolve_base(params: Params, root: Path = Path(".")) -> Base:
     uri = f"models:/{params.registry.model_name}@{CHAMPION}" if ref == CHAMPION else ref
     pinned = pin_model_uri(uri, root) if is_mlflow_uri(uri) else uri
     model_dir, tokenizer_dir = resolve_model(pinned, root)
-    return Base(ref, pinned, model_dir, tokenizer_dir, sha256(model_dir / WEIGHTS_FILE))
+    return Base(ref, pinned, model_dir, tokenizer_dir, file_sha256(model_dir / WEIGHTS_FILE))
 
 
 def train_config(params: Params) -> TrainConfig:
@@ -71,13 +70,8 @@ def train_config(params: Params) -> TrainConfig:
 
 
 def fingerprint(params: Params, base: Base, train_chats: list, val_chats: list, plan: Plan) -> Fingerprint:
-    knobs = params.finetune.model_dump(exclude=set(params.finetune.BOOKKEEPING))
-    blob = json.dumps({"finetune": knobs, "train": train_config(params).model_dump(
-        exclude=set(TrainConfig.BOOKKEEPING))}, sort_keys=True)
-    data = json.dumps({"train": train_chats, "val": val_chats}, sort_keys=True, ensure_ascii=False)
-    return Fingerprint(hashlib.sha256(blob.encode()).hexdigest()[:16],
-                       hashlib.sha256(data.encode()).hexdigest()[:16], code_hash(FINETUNE_CODE), base.weights_sha256,
-                       json_hash(plan.decisions()))
+    return Fingerprint(finetune_params_hash(params.finetune, train_config(params)), json_hash({"train": train_chats, "val": val_chats}),
+                       code_hash(FINETUNE_CODE), base.weights_sha256, json_hash(plan.decisions()))
 
 
 @dataclass

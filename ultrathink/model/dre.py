@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ultrathink.config import DREConfig
-from ultrathink.model.routing import Records, Routing, RoutingModule, Stats, block_index, count, numel, prefixed
+from ultrathink.model.routing import Records, Routing, RoutingModule, implements, Stats, block_index, count, numel, prefixed
 
 PATHS = {"fast": 0.25, "standard": 0.5, "deep": 0.75}
 CAPACITIES = torch.tensor(list(PATHS.values()))
@@ -43,6 +43,7 @@ ATTENTION_GROUPS = 4  # groups of rows with similar kept counts, each padded to 
 ROWS_MULTIPLE = 64  # the flat set of kept tokens is padded to a multiple of this many rows (see _route)
 
 
+@implements(DREConfig)
 class RoutedBlock(RoutingModule):
     def __init__(self, block: nn.Module, d_model: int, cfg: DREConfig):
         super().__init__()

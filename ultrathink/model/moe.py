@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from ultrathink.config import MoEConfig
-from ultrathink.model.routing import Records, Routing, RoutingModule, Stats, block_index, count, numel
+from ultrathink.model.routing import Records, Routing, RoutingModule, implements, Stats, block_index, count, numel
 
 
 ROWS_MULTIPLE = 32  # each expert's tokens are padded to a multiple of this many rows (see _dispatch)
@@ -38,6 +38,7 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1).pow(2).mean()
 
 
+@implements(MoEConfig)
 class MoE(RoutingModule):
     def __init__(self, d_model: int, cfg: MoEConfig, make_expert: Callable[[], nn.Module]):
         super().__init__()

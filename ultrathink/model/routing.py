@@ -19,7 +19,6 @@ about them; records travel out of each block as its output, which keeps the aux 
 
 from __future__ import annotations
 
-import importlib
 from typing import NamedTuple
 
 import torch
@@ -65,13 +64,26 @@ class RoutingModule(nn.Module):
         return ""
 
 
+# A variant's config section class → the RoutingModule class that builds it (see `implements`).
+_IMPLEMENTATIONS: dict[type, type[RoutingModule]] = {}
+
+
+def implements(section: type):
+    """Class decorator: `@implements(MoEConfig) class MoE(RoutingModule)` makes MoE the builder of every enabled
+    model.moe section. The module defining a variant is imported where the model is (ultrathink/model/__init__.py)."""
+    def register(cls: type[RoutingModule]) -> type[RoutingModule]:
+        _IMPLEMENTATIONS[section] = cls
+        return cls
+    return register
+
+
 def variant_classes(cfg) -> list[type[RoutingModule]]:
-    """The RoutingModule classes of the variants `cfg` (a ModelConfig) enables, named by their config sections."""
-    classes = []
-    for section in cfg.variants():
-        module, name = section.implementation.split(":")
-        classes.append(getattr(importlib.import_module(module), name))
-    return classes
+    """The RoutingModule classes of the variants `cfg` (a ModelConfig) enables."""
+    missing = [type(s).__name__ for s in cfg.variants() if type(s) not in _IMPLEMENTATIONS]
+    if missing:
+        raise LookupError(f"no RoutingModule implements {', '.join(missing)}: decorate its class with "
+                          "@routing.implements(<its config section>) and import its module with the model")
+    return [_IMPLEMENTATIONS[type(section)] for section in cfg.variants()]
 
 
 def count(value: float | int | torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from ultrathink.model.model import WEIGHTS_FILE
 from ultrathink.registry.champion import CHALLENGER, CHAMPION, YARDSTICK_ARTIFACT, actor, decide_and_move
 from ultrathink.registry.tracking import start_or_resume_run
 from ultrathink.text_eval import ModelFiles
-from ultrathink.train.checkpoint import sha256
+from ultrathink.hashing import file_sha256
 PACKAGE_DIR = Path(ultrathink.__file__).parent
 # Passed to MLflow by path, never imported here: importing it would call set_model and load torch for nothing.
 PYFUNC_FILE = Path(__file__).with_name("pyfunc_model.py")
@@ -132,7 +132,7 @@ def promote(model_dir: Path, tokenizer_dir: Path, yardstick: Yardstick, cfg: Reg
     model_dir, tokenizer_dir = Path(model_dir), Path(tokenizer_dir)
     name = name or cfg.model_name
     bpb = float(known_bpb if known_bpb is not None else yardstick.score(ModelFiles(model_dir, tokenizer_dir)))
-    weights_sha = sha256(model_dir / WEIGHTS_FILE)
+    weights_sha = file_sha256(model_dir / WEIGHTS_FILE)
     with start_or_resume_run(cfg.experiment, root, run_id) as run:
         client = MlflowClient()
         _ensure_run_metrics({"val_bpb": bpb})

@@ -173,9 +173,9 @@ def run_of_model(model_dir: Path, run_file: Path, experiment: str, root: Path) -
     names when it names these weights; else the newest run tagged with their sha256 (DVC restored the model from
     its cache, or a run elsewhere made the same bytes); else None."""
     from ultrathink.model.model import WEIGHTS_FILE
-    from ultrathink.train.checkpoint import sha256
+    from ultrathink.hashing import file_sha256
 
-    weights = sha256(Path(model_dir) / WEIGHTS_FILE)
+    weights = file_sha256(Path(model_dir) / WEIGHTS_FILE)
     facts = json.loads(Path(run_file).read_text()) if Path(run_file).is_file() else {}
     if facts.get("model_sha256") == weights and facts.get("run_id"):
         return facts["run_id"]

@@ -21,7 +21,6 @@ the main rank alone writes the rest, the manifest and the rename.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from ultrathink.hashing import file_sha256, json_hash
 from ultrathink.model.model import WEIGHTS_FILE
 from ultrathink.train.distributed import Distributed
 
@@ -50,19 +50,11 @@ PARTIAL = ".partial"  # suffix of a checkpoint being written
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 @dataclass(frozen=True)
 class Fingerprint:
     """What determines the weights a run computes; a checkpoint is resumed only by the same fingerprint."""
 
-    params: str  # TrainConfig.fingerprint_params: model and train knobs, bookkeeping excluded
+    params: str  # config.fingerprint: the weight-determining knobs, bookkeeping excluded
     data: str  # hash of the packed token files (and so of the tokenizer)
     code: str  # hash of the code the train stage runs (lineage.code_hash: its module closure)
     parent: str = "none"  # sha256 of the warm start's weights
@@ -70,7 +62,7 @@ class Fingerprint:
 
     @property
     def id(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        return json_hash(asdict(self))
 
     def differences(self, other: dict) -> list[str]:
         """Names of the parts where `other` (a fingerprint.json's parts) differs: e.g. ['code', 'params']."""
@@ -143,7 +135,7 @@ class CheckpointManager:
                 weights: dict[str, torch.Tensor] | None) -> None:
         model.save_pretrained(tmp, weights)
         torch.save(state, tmp / STATE_FILE)
-        files = {str(p.relative_to(tmp)): sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        files = {str(p.relative_to(tmp)): file_sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = {"step": step, "fingerprint": self.fingerprint.id, "parts": asdict(self.fingerprint), **self.extra,
                     "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
@@ -252,7 +244,7 @@ def _verify(path: Path) -> str | None:
         file = path / name
         if not file.exists():
             return f"{name} missing"
-        if sha256(file) != digest:
+        if file_sha256(file) != digest:
             return f"{name} fails its checksum"
     return None
 

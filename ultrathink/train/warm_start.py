@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 from ultrathink.errors import StageError
 from ultrathink.model.model import CONFIG_FILE, WEIGHTS_FILE
 from ultrathink.tokenizer import tokenizer_hash, vocab_difference
-from ultrathink.train.checkpoint import Checkpoint, is_checkpoint, read_checkpoint, sha256
+from ultrathink.hashing import file_sha256
+from ultrathink.train.checkpoint import Checkpoint, is_checkpoint, read_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def find_parent(directory: Path, ref: str, lineage: str | None = None, tokenizer
     if tokenizer_dir is None and (directory.parent / "tokenizer" / "tokenizer.json").is_file():
         tokenizer_dir = directory.parent / "tokenizer"
     tok_sha = tokenizer_hash(tokenizer_dir) if tokenizer_dir is not None else recorded
-    return Parent(ref, lineage or str(directory.resolve()), directory, sha256(directory / WEIGHTS_FILE)[:16],
+    return Parent(ref, lineage or str(directory.resolve()), directory, file_sha256(directory / WEIGHTS_FILE)[:16],
                   tok_sha, tokenizer_dir, checkpoint)
 
 

@@ -1,21 +1,14 @@
-"""The one typed schema behind params.yaml.
-
-Every knob of the pipeline is defined here, once. params.yaml holds values, DVC's `-S key=value` edits them,
-the CLI's `--set key=value` overrides are checked against this same schema, and `ultrathink params` lists it.
-A typo'd key, a wrong type or an out-of-range value fails before any work, naming the key and what is allowed.
-"""
+"""The one typed schema behind params.yaml: a section class per params.yaml section, with the checks that span its
+keys. Every knob of the pipeline is defined here, once (loading.py reads and checks a file against it, budget.py
+parses train.budget, fingerprint.py says which knobs name a checkpoint)."""
 
 from __future__ import annotations
 
-import difflib
-import hashlib
-import json
-import re
-from pathlib import Path
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ultrathink.config.budget import Budget
 
 
 class Section(BaseModel):
@@ -163,19 +156,15 @@ class MoEGroups(Section):
 
 
 class VariantConfig(Section):
-    """A model variant's section (model.moe, model.dre, ...): `implementation` names the RoutingModule class
-    (ultrathink/model/routing.py) that builds it into the blocks it `applies_to`. A new variant is its own file
-    plus a section like these in ModelConfig; the model finds it here."""
-
-    implementation: ClassVar[str]  # "module:Class"
+    """A model variant's section (model.moe, model.dre, ...): the RoutingModule class registered for it
+    (ultrathink/model/routing.py: implements) builds it into the blocks it `applies_to`. A new variant is its own
+    file plus a section like these in ModelConfig."""
 
     def applies_to(self, layer: int) -> bool:
         return self.enabled and (layer + 1) % self.every == 0
 
 
 class MoEConfig(VariantConfig):
-    implementation: ClassVar[str] = "ultrathink.model.moe:MoE"
-
     enabled: bool = Field(False, description="replace the MLP of every `every`-th block with a sparse MoE layer")
     every: int = Field(2, ge=1, description="MoE in blocks every, 2·every, ... (counting from 1); 1: every block")
     top_k: int = Field(2, ge=1, description="experts each token is routed to")
@@ -204,8 +193,6 @@ class MoEConfig(VariantConfig):
 
 class DREConfig(VariantConfig):
     """Dynamic Reasoning Engine: Mixture-of-Depths routing (ultrathink/model/dre.py)."""
-
-    implementation: ClassVar[str] = "ultrathink.model.dre:RoutedBlock"
 
     enabled: bool = Field(False, description="route tokens around every `every`-th block (Mixture-of-Depths)")
     every: int = Field(2, ge=1, description="routed blocks: every, 2·every, ... (counting from 1)")
@@ -298,30 +285,6 @@ class DeepSpeedConfig(Section):
         return self
 
 
-
-_UNITS = {"s": ("seconds", 1.0), "min": ("seconds", 60.0), "h": ("seconds", 3600.0),
-          "tokens": ("tokens", 1.0), "flops": ("flops", 1.0)}
-_BUDGET = re.compile(r"^\s*(?P<amount>\d+(?:\.\d*)?(?:[eE][+]?\d+)?)\s*(?P<unit>s|min|h|tokens|flops)\s*$")
-
-class Budget(NamedTuple):
-    """train.budget, parsed: kind is seconds, tokens or flops."""
-    kind: str
-    amount: float
-
-    @classmethod
-    def parse(cls, text: str) -> "Budget":
-        """'2min', '90s', '1.5h', '2e7tokens', '1e15flops' → Budget; a clear error otherwise."""
-        match = _BUDGET.match(text)
-        if not match:
-            raise ValueError(f"budget {text!r}: expected a positive number and a unit, one of "
-                             f"{', '.join(_UNITS)} (e.g. 2min, 90s, 2e7tokens, 1e15flops)")
-        kind, scale = _UNITS[match["unit"]]
-        amount = float(match["amount"]) * scale
-        if amount <= 0:
-            raise ValueError(f"budget {text!r} must be positive")
-        return cls(kind, amount)
-
-
 class TrainConfig(Section):
     seed: int = 1337
     batch_size: int | None = Field(16, ge=1, description="sequences per micro-batch; null: 16, or chosen by "
@@ -397,18 +360,6 @@ class TrainConfig(Section):
         "best", description="which weights become paths.model_dir: best = the checkpoint with the lowest "
         "validation loss (validation runs every eval_every steps and at the last step), last = the final step's")
 
-    # Knobs that change when and how often things are recorded, not the numbers trained: a checkpoint made under
-    # other values of these is still a valid point to resume from.
-    BOOKKEEPING: ClassVar[frozenset[str]] = frozenset(
-        {"eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints", "keep_configs", "log_every", "resume",
-         "threads", "max_bad_steps", "select", "init_from", "tensorboard"})
-
-    def fingerprint_params(self, model: "ModelConfig") -> str:
-        """Hash of the knobs that determine the weights (bookkeeping excluded; `init_from` enters a fingerprint
-        as the parent's weights hash, not as the text that named them)."""
-        blob = json.dumps({"model": model.model_dump(), "train": self.model_dump(exclude=set(self.BOOKKEEPING))},
-                          sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     @field_validator("budget", mode="before")
     @classmethod
@@ -507,9 +458,6 @@ class FinetuneConfig(Section):
     samples: int = Field(3, ge=0, description="held-out prompts answered (greedy) by the model before and after, "
                          "in the report")
 
-    # Knobs that change what is recorded, not the weights trained.
-    BOOKKEEPING: ClassVar[frozenset[str]] = frozenset({"enabled", "init_from", "eval_every", "samples"})
-
     @model_validator(mode="after")
     def _bounds(self) -> "FinetuneConfig":
         if self.warmup_steps > self.max_steps:
@@ -582,105 +530,3 @@ class Params(Section):
     @property
     def validate_cfg(self) -> ValidateConfig:
         return self.validate_
-
-    def section_hash(self, *sections: str) -> str:
-        """A stable hash of the named sections, for lineage tags and checkpoint fingerprints."""
-        dump = self.model_dump(by_alias=True)
-        blob = json.dumps({s: dump[s] for s in sections}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-    def params_hash(self) -> str:
-        """Hash of every experiment knob (paths excluded: where files go does not change the model)."""
-        return self.section_hash(*(f.alias or n for n, f in type(self).model_fields.items() if n != "paths"))
-
-
-class ParamsError(ValueError):
-    """A params file or override that the schema rejects; the message names the key and what is allowed."""
-
-
-def _allowed_keys(model: type[BaseModel]) -> list[str]:
-    return [f.alias or name for name, f in model.model_fields.items()]
-
-
-def _section_model(loc: tuple) -> type[BaseModel]:
-    """The pydantic model that owns the location `loc` (so a typo can be matched against its siblings)."""
-    model: type[BaseModel] = Params
-    for part in loc[:-1]:
-        field = next((f for n, f in model.model_fields.items() if part in (n, f.alias)), None)
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
-            break
-        model = field.annotation
-    return model
-
-
-def _describe(err: dict[str, Any]) -> str:
-    loc = tuple(str(p) for p in err["loc"])
-    key = ".".join(loc)
-    if err["type"] == "extra_forbidden":
-        allowed = _allowed_keys(_section_model(loc))
-        close = difflib.get_close_matches(loc[-1], allowed, n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
-        return f"{key}: unknown key.{hint} Allowed: {', '.join(allowed)}"
-    got = err.get("input")
-    if isinstance(got, dict):  # a check across a whole section: its message already names the keys
-        return f"{key}: {err['msg'].removeprefix('Value error, ')}"
-    return f"{key}: {err['msg']} (got {got!r})"
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """`train.lr=3e-4` → (['train', 'lr'], 0.0003). Values are YAML, as in `dvc exp run -S`."""
-    key, sep, raw = item.partition("=")
-    if not sep or not key.strip():
-        raise ParamsError(f"override {item!r}: expected KEY=VALUE, e.g. train.lr=3e-4")
-    return key.strip().split("."), yaml.safe_load(raw)
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    for item in overrides:
-        keys, value = parse_override(item)
-        node = raw
-        for part in keys[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ParamsError(f"override {item!r}: '{part}' is not a section")
-        node[keys[-1]] = value
-    return raw
-
-
-def load_params(path: str | Path = "params.yaml", overrides: list[str] | None = None) -> Params:
-    """Read and check params. Raises ParamsError with one line per problem, each naming its key."""
-    path = Path(path)
-    if not path.exists():
-        raise ParamsError(f"{path}: params file not found")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ParamsError(f"{path}: not valid YAML: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ParamsError(f"{path}: top level must be a mapping of sections, got {type(raw).__name__}")
-    raw = apply_overrides(raw, overrides or [])
-    try:
-        return Params.model_validate(raw)
-    except ValidationError as exc:
-        lines = "\n".join(f"  - {_describe(e)}" for e in exc.errors())
-        raise ParamsError(f"{path}: invalid params\n{lines}") from None
-
-
-def schema_rows(model: type[BaseModel] = Params, prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """(key, type, default, description) for every knob: the source for `ultrathink params`."""
-    rows = []
-    for name, field in model.model_fields.items():
-        key = f"{prefix}{field.alias or name}"
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            rows += schema_rows(ann, key + ".")
-            continue
-        default = field.get_default(call_default_factory=True)
-        type_name = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
-        rows.append((key, type_name, repr(default), field.description or ""))
-    return rows
-
-
-def default_params_yaml() -> str:
-    """params.yaml content with every default, in schema order."""
-    return yaml.safe_dump(Params().model_dump(by_alias=True), sort_keys=False)
