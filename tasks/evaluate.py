@@ -11,7 +11,8 @@ import mlflow
 
 from ultrathink.stage import stage_entry
 from ultrathink.config import Params
-from ultrathink.data.packing import load_split, read_meta, val_documents
+from ultrathink.data.packing import val_documents
+from ultrathink.data.tokens import load_split, read_meta
 from ultrathink.evaluate import (Yardstick, bits_per_byte, encode_documents, sample_generations, score_stream,
                                  unigram_cross_entropy)
 from ultrathink.io import atomic_write_json, atomic_write_text

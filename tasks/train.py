@@ -14,7 +14,7 @@ import torch
 from ultrathink.stage import stage_entry
 from ultrathink.config import Budget, Params
 from ultrathink.hashing import json_hash
-from ultrathink.data.packing import load_split, read_meta
+from ultrathink.data.tokens import load_split, read_meta
 from ultrathink.io import atomic_dir, atomic_write_json
 from ultrathink.lineage import code_hash, directory_hash, lineage_tags
 from ultrathink.model import UltraThink

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from ultrathink.config import DataConfig, PrepareConfig, TokenizerConfig
-from ultrathink.data.packing import _pieces, load_split, prepare_splits, training_texts, val_documents
+from ultrathink.data.packing import _pieces, prepare_splits, training_texts, val_documents
+from ultrathink.data.tokens import load_split
 from ultrathink.data.sources import load_corpus
 from ultrathink.data.token_checks import TokenCheckError, check_token_files
 from ultrathink.evaluate import encode_documents

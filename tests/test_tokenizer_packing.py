@@ -7,7 +7,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from ultrathink.config import PrepareConfig, TokenizerConfig
-from ultrathink.data.packing import load_split, prepare_splits, read_meta, split_fraction
+from ultrathink.data.packing import prepare_splits, split_fraction
+from ultrathink.data.tokens import load_split, read_meta
 from ultrathink.data.sources import embedded_paragraphs
 from ultrathink.tokenizer import EOS_TOKEN, PAD_TOKEN, load_tokenizer, train_tokenizer
 

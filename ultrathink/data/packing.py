@@ -32,11 +32,10 @@ from tqdm import tqdm
 from ultrathink.config import PrepareConfig
 from ultrathink.data.shards import is_sharded, read_shards, text_bytes
 from ultrathink.data.token_checks import check_token_files
+from ultrathink.data.tokens import META_FILE, SPLITS
 from ultrathink.io import atomic_dir
 from ultrathink.tokenizer import load_tokenizer, tokenizer_hash
 
-SPLITS = ("train", "val")
-META_FILE = "meta.json"
 VAL_TEXT_FILE = "val.jsonl"  # the val documents' text, one {"text": ...} per line: what evaluation scores
 _MAX_PIECE_CHARS = 1 << 20  # longer documents are encoded piece by piece (ids unchanged; see _pieces)
 _BATCH_CHARS = 4 << 20  # a batch also ends after this many characters, so a few huge documents stay bounded
@@ -140,80 +139,6 @@ def training_texts(corpus: Path, cfg: PrepareConfig) -> Iterator[str]:
     plan = plan_splits(Path(corpus), cfg)
     for number, text in enumerate(read_texts(corpus)):
         yield from (piece for piece, is_val in plan.pieces(number, text) if not is_val)
-
-
-def read_meta(prepared_dir: Path) -> dict:
-    """The meta.json written by `prepare_splits`."""
-    path = Path(prepared_dir) / META_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"no {META_FILE} in {prepared_dir}: run the prepare stage first")
-    return json.loads(path.read_text())
-
-
-def load_split(prepared_dir: Path, split: str) -> "TokenShards":
-    """One split's token ids: its shard files, with the dtype recorded in meta.json, read as one sequence (a file's
-    size must match its count in meta.json). A directory from before sharding has one `<split>.bin`; it reads the
-    same way."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
-    return open_split(prepared_dir, read_meta(prepared_dir), split)
-
-
-def open_split(prepared_dir: Path, meta: dict, split: str) -> "TokenShards":
-    """`load_split` with the meta already read (prepare checks its files before it writes meta.json)."""
-    shards = meta[split].get("shards") or [{"file": f"{split}.bin", "tokens": meta[split]["tokens"]}]
-    dtype = np.dtype(meta["dtype"])
-    paths = []
-    for shard in shards:
-        path = Path(prepared_dir) / shard["file"]
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: listed in meta.json but missing; re-run prepare")
-        size = path.stat().st_size
-        tokens = size // dtype.itemsize
-        if tokens != shard["tokens"] or size % dtype.itemsize:
-            raise ValueError(f"{path} holds {tokens} tokens, meta.json says {shard['tokens']}: the files do not "
-                             "belong together; re-run prepare")
-        paths.append(path)
-    return TokenShards(paths, [s["tokens"] for s in shards], dtype)
-
-
-class TokenShards:
-    """A split's token files read as one sequence of ids: `len`, an id, or a slice (which may cross files). A slice
-    is read from the files when asked (a copy, not a memory map), so a reader, each rank of a run, holds only the
-    windows it reads, from whichever shards hold them, and a scan of the whole split (the token checks) stays at one
-    chunk of memory. Every shard starts at a document's first token."""
-
-    def __init__(self, paths: list[Path], lengths: list[int], dtype: np.dtype):
-        self.paths, self.lengths, self.dtype = list(paths), list(lengths), np.dtype(dtype)
-        self.ends = np.cumsum(self.lengths, dtype=np.int64)
-
-    def __len__(self) -> int:
-        return int(self.ends[-1]) if len(self.ends) else 0
-
-    def __getitem__(self, key):
-        if isinstance(key, slice):
-            start, stop, step = key.indices(len(self))
-            if step != 1:
-                raise ValueError("token shards are sliced contiguously (step 1)")
-            pieces = []
-            while start < stop:
-                shard = int(np.searchsorted(self.ends, start, side="right"))
-                base = int(self.ends[shard]) - self.lengths[shard]
-                end = min(stop, int(self.ends[shard]))
-                pieces.append(np.fromfile(self.paths[shard], dtype=self.dtype, count=end - start,
-                                          offset=(start - base) * self.dtype.itemsize))
-                start = end
-            if len(pieces) == 1:
-                return pieces[0]
-            return np.concatenate(pieces) if pieces else np.empty(0, dtype=self.dtype)
-        index = int(key) + (len(self) if int(key) < 0 else 0)
-        if not 0 <= index < len(self):
-            raise IndexError(f"token {key} of {len(self)}")
-        return self[index : index + 1][0]
-
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        whole = self[:]
-        return whole if dtype is None else whole.astype(dtype)
 
 
 def val_documents(prepared_dir: Path, max_bytes: int | None = None) -> list[str]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ultrathink.data.tokens import TokenShards, open_split
 from ultrathink.errors import StageError
 from ultrathink.io import atomic_write_json, atomic_write_text
 
@@ -30,8 +31,6 @@ class TokenCheckError(StageError):
 
 def check_token_files(prepared: Path, meta: dict, tokenizer, report_dir: Path | None = None) -> dict:
     """Check the train and val token files in `prepared` against `meta`; write the report to `report_dir` if given."""
-    from ultrathink.data.packing import open_split
-
     files = {split: open_split(prepared, meta, split) for split in ("train", "val")}
     splits = {split: _split_facts(tokens, meta["vocab_size"], meta["eos_id"]) for split, tokens in files.items()}
     (train_hashes, _), (val_hashes, val_starts) = splits["train"].pop("_docs"), splits["val"].pop("_docs")
@@ -73,7 +72,7 @@ def _check(name: str, success: bool, message: str, examples: list[str] | None = 
     return {"name": name, "success": bool(success), "message": message, "examples": examples or []}
 
 
-def _split_facts(tokens: np.ndarray, vocab_size: int, eos_id: int) -> dict:
+def _split_facts(tokens: TokenShards, vocab_size: int, eos_id: int) -> dict:
     """Counts over one token file, read in chunks, and each document's 64-bit hash and start (8 + 8 bytes per
     document: a 1M-document corpus needs 16 MB; a chance collision across 1M documents is ~1e-7)."""
     max_id, out_of_vocab, ends = -1, 0, []
@@ -97,7 +96,7 @@ def _split_facts(tokens: np.ndarray, vocab_size: int, eos_id: int) -> dict:
     }
 
 
-def _document_hashes(tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+def _document_hashes(tokens: TokenShards, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """A 64-bit hash of each document's ids, reading the file one chunk of whole documents at a time."""
     hashes = np.empty(len(starts), dtype=np.uint64)
     first = 0
@@ -112,7 +111,7 @@ def _document_hashes(tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray) -
     return hashes
 
 
-def _document(tokens: np.ndarray, start: int, eos_id: int) -> list[int]:
+def _document(tokens: TokenShards, start: int, eos_id: int) -> list[int]:
     """The ids of the document starting at `start` (up to its EOS), for an example in the report."""
     window = np.asarray(tokens[start : start + 4096])
     end = np.flatnonzero(window == eos_id)
