@@ -32,7 +32,8 @@ from ultrathink.tokenizer import load_tokenizer, train_tokenizer
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.loader import TokenWindows
 from ultrathink.train.precision import resolve_precision
-from ultrathink.train.trainer import Trainer
+from ultrathink.train.distributed import Distributed
+from ultrathink.train.trainer import Trainer, ready_model
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 MOE_SHAPE = dict(d_model=192, n_layers=4, n_heads=4, n_kv_heads=2, seq_len=128, dropout=0.0)
@@ -69,7 +70,7 @@ class Run:
         torch.manual_seed(0)
         model = UltraThink(cfg, vocab)
         checkpoints = CheckpointManager(workdir / name, Fingerprint(name, "bench", "bench"), 1, 1)
-        self.trainer = Trainer(model, TokenWindows(train, cfg.seq_len, BATCH, seed=0), val, settings, checkpoints)
+        self.trainer = Trainer(ready_model(model, settings, None, Distributed()), TokenWindows(train, cfg.seq_len, BATCH, seed=0), val, settings, checkpoints)
         self.seconds: list[float] = []
         self.figures: list[dict[str, float]] = []
 

@@ -1,20 +1,8 @@
-"""tokenizer: train a byte-level BPE on the training split of the validated corpus (the validation text, chosen
-exactly as prepare's split chooses it, stays unseen); save a directory transformers can load."""
-
-from pathlib import Path
+"""DVC's entry point of the tokenizer stage: `python -m tasks.tokenizer [--params P] [--set K=V]...` runs
+ultrathink/stages/tokenizer.py, where what the stage does is written."""
 
 from ultrathink.stage import stage_entry
-from ultrathink.config import Params
-from ultrathink.data.packing import training_texts
-from ultrathink.tokenizer import train_tokenizer
-
-
-def run(params: Params) -> None:
-    texts = training_texts(Path(params.paths.validated_corpus), params.prepare)
-    vocab_size = train_tokenizer(texts, params.tokenizer, Path(params.paths.tokenizer_dir))
-    chosen = " (tokenizer.vocab_size auto, from the corpus size)" if params.tokenizer.vocab_size == "auto" else ""
-    print(f"tokenizer: vocab {vocab_size}{chosen} saved to {params.paths.tokenizer_dir}")
-
+from ultrathink.stages import tokenizer
 
 if __name__ == "__main__":
-    stage_entry("tokenizer")
+    stage_entry("tokenizer", tokenizer.run)

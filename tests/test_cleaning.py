@@ -140,7 +140,7 @@ def test_clean_corpus_counts_every_step(principles):
 def test_validate_stage_writes_cleaning_report_and_fails_on_flagged_pii(tmp_path, monkeypatch):
     shutil.copy(ROOT / "constitution.yaml", tmp_path)
     monkeypatch.chdir(tmp_path)
-    from tasks.validate import run
+    from ultrathink.stages.validate import run
 
     docs = [f"document {i} is about topic {i * 7}" for i in range(30)] + ["mail a@b.org", "mail a@b.org"]
     Path("raw.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))

@@ -28,7 +28,7 @@ from test_resume_kill import ROOT, tiny_project
 from ultrathink.config import ModelConfig
 from ultrathink.model import UltraThink
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.spawns]
 
 # MoE MLPs in blocks 1 and 3, a routed (DRE) block 2: both variants, in one 4-layer model.
 ROUTED = {"n_layers": 4, "moe": {"enabled": True, "every": 2, "top_k": 2, "bias_balancing": True,

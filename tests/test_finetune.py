@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from ultrathink.config import FinetuneConfig, LoraSettings, ModelConfig, Params, TokenizerConfig, load_params
 from ultrathink.data.validation import validate_pairs
-from ultrathink.finetune.chat import assistant, chat_tokenizer, reply, save_chat_tokenizer, user
+from ultrathink.model.chat import assistant, chat_tokenizer, reply, save_chat_tokenizer, user
 from ultrathink.finetune.lora import AdapterError, add_adapters, trainable_share
 from ultrathink.finetune.pairs import PairsError, embedded_pairs, load_pairs, split_pairs
 from ultrathink.finetune.sft import Base, build, score
@@ -23,6 +23,7 @@ from ultrathink.model import UltraThink
 from ultrathink.model.export import export_hf
 from ultrathink.scoring import IGNORE, chat_rows, encode_conversation, fit_window
 from ultrathink.tokenizer import load_tokenizer, train_tokenizer
+from ultrathink.train.distributed import Distributed
 from ultrathink.hashing import file_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,7 +182,7 @@ def test_lora_trains_only_the_adapters_and_merges_into_plain_weights(assets, tmp
     base = Base("dir", str(assets / "model"), assets / "model", assets / "tokenizer",
                 file_sha256(assets / "model" / "model.safetensors"))
     original = UltraThink.from_pretrained(assets / "model").state_dict()
-    setup = build(params, base, tokenizer, chats, heldout)
+    setup = build(params, base, tokenizer, chats, heldout, Distributed())
     trained, total = trainable_share(setup.trainer.model)
     cfg = setup.trainer.model.cfg  # r·(in + out) per adapted layer: q, k, v, o and the SwiGLU's three
     per_block = 4 * ((cfg.d_model + cfg.n_heads * cfg.head_dim) * 2 + 2 * (cfg.d_model + cfg.n_kv_heads * cfg.head_dim)
@@ -203,8 +204,8 @@ def test_lora_trains_only_the_adapters_and_merges_into_plain_weights(assets, tmp
     assert set(merged.state_dict()) == set(original)  # plain UltraThink weights: loads, scores and exports as ever
     assert score(merged, tokenizer, chats).loss < before - 0.3  # it learned the answers it was trained on
     # The same configuration resumes from its checkpoint; other pairs are another configuration.
-    assert build(params, base, tokenizer, chats, heldout).trainer.resume() == 24
-    assert build(params, base, tokenizer, chats[1:], heldout).trainer.resume() is None
+    assert build(params, base, tokenizer, chats, heldout, Distributed()).trainer.resume() == 24
+    assert build(params, base, tokenizer, chats[1:], heldout, Distributed()).trainer.resume() is None
 
 
 def test_adapters_on_missing_layers_name_the_layers_there_are(assets):
@@ -221,6 +222,7 @@ def test_the_export_renders_chats_as_the_model_was_trained(assets, tmp_path):
     assert hf_tokenizer.decode(ids) == "<|user|>\nWhere is the cat?<|endoftext|><|assistant|>\n"
 
 
+@pytest.mark.spawns
 def test_chat_answers_each_line_with_the_conversation_so_far(assets):
     env_bin = Path(sys.executable).parent
     lines = "Where is the cat?\nAnd the dog?\n/reset\nAnd the dog?\n"

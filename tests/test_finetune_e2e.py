@@ -20,7 +20,7 @@ import pytest
 
 from e2e_helpers import client_for, copy_project, ran_stages, set_params, sh
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.spawns]
 
 QUESTION = "What colour is box 7?"
 # A learnable task, so what the test asserts does not hang on one machine's numerics: every answer is "Box N is
@@ -115,7 +115,7 @@ def invoke(url: str, inputs: list[str], params: dict) -> list[str]:
 
 def local(project: Path, uri: str):
     from ultrathink.model import UltraThink
-    from ultrathink.text_eval import resolve_model
+    from ultrathink.registry.models import resolve_model
     from ultrathink.tokenizer import load_tokenizer
 
     model_dir, tokenizer_dir = resolve_model(uri, project)
@@ -123,7 +123,7 @@ def local(project: Path, uri: str):
 
 
 def test_served_champions_answer_as_generate_and_chat_do(project):
-    from ultrathink.finetune.chat import reply, user
+    from ultrathink.model.chat import reply, user
     from ultrathink.model.generate import generate_text
 
     greedy = {"temperature": 0.0, "max_new_tokens": 12}

@@ -72,6 +72,7 @@ def ultrathink(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(command), *args], cwd=ROOT, capture_output=True, text=True)
 
 
+@pytest.mark.spawns
 def test_generate_command_prints_what_generate_text_computes(model_dir):
     model, tokenizer = loaded(model_dir)
     done = ultrathink("generate", "--model", str(model_dir), "--prompt", "The cat", "--temperature", "0",
@@ -83,6 +84,7 @@ def test_generate_command_prints_what_generate_text_computes(model_dir):
     assert sampled.stdout == generate_text(model, tokenizer, "The cat", 12, 0.8, 50, 7, 0.5) + "\n"
 
 
+@pytest.mark.spawns
 def test_generate_command_names_a_bad_flag_and_a_missing_model(model_dir, tmp_path):
     bad = ultrathink("generate", "--model", str(model_dir), "--prompt", "x", "--top-p", "1.5")
     assert bad.returncode == 2 and "--top-p" in bad.stderr

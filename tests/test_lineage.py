@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ultrathink.lineage import PROJECT_ROOT, code_hash, module_closure
+from ultrathink.lineage import PROJECT_ROOT, TRAINING_CODE, code_hash, module_closure
 
 STAGES = yaml.safe_load((PROJECT_ROOT / "dvc.yaml").read_text())["stages"]
 
@@ -26,12 +26,18 @@ def test_dvc_yaml_lists_every_module_the_stage_imports(stage):
 
 def test_the_train_closure_has_the_token_reader_and_the_variants_and_not_the_other_stages():
     train = {str(p) for p in module_closure("tasks.train")}
-    # The reader that supplies every training batch, the data it reads, and variants loaded by name from a config.
-    assert {"ultrathink/data/packing.py", "ultrathink/model/moe.py", "ultrathink/model/dre.py",
-            "ultrathink/train/trainer.py", "ultrathink/train/plan.py", "tasks/train.py"} <= train
-    # A stage does not run the CLI, another stage's code or the corpus gate.
-    assert not {"ultrathink/cli.py", "tasks/validate.py", "ultrathink/data/validation.py",
+    # The reader that supplies every training batch, the variants a config enables, the stage's own module.
+    assert {"ultrathink/data/tokens.py", "ultrathink/model/moe.py", "ultrathink/model/dre.py",
+            "ultrathink/train/trainer.py", "ultrathink/train/plan.py", "ultrathink/stages/train.py",
+            "tasks/train.py"} <= train
+    # A stage does not run the CLI, another stage's code, the corpus gate or the token writer.
+    assert not {"ultrathink/cli.py", "tasks/validate.py", "ultrathink/stages/validate.py",
+                "ultrathink/data/validation.py", "ultrathink/data/packing.py",
                 "ultrathink/registry/champion.py"} & train
+    # The checkpoint fingerprint's code is the stage module's closure: tasks/train.py's less the entry point and
+    # the stage runner (argument parsing, log files, exit codes), which compute nothing.
+    runner = {"tasks/train.py", "tasks/__init__.py", "ultrathink/stage.py"}
+    assert {str(p) for p in module_closure(TRAINING_CODE)} == train - runner
 
 
 @pytest.fixture
@@ -46,7 +52,7 @@ def test_the_code_hash_moves_with_code_the_stage_imports_and_only_with_it(projec
     with (project_copy / "ultrathink/data/validation.py").open("a") as f:  # the corpus gate: not train's code
         f.write("\n# an edit\n")
     assert code_hash("tasks.train", project_copy) == before
-    with (project_copy / "ultrathink/data/packing.py").open("a") as f:  # the token reader: train's code
+    with (project_copy / "ultrathink/data/tokens.py").open("a") as f:  # the token reader: train's code
         f.write("\n# an edit\n")
     assert code_hash("tasks.train", project_copy) != before
 

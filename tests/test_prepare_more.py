@@ -43,6 +43,7 @@ def test_streaming_and_eager_sources_give_identical_token_files(tmp_path, tokeni
     assert outputs[0] == outputs[1]
 
 
+@pytest.mark.spawns
 def test_process_pool_output_equals_in_process(tmp_path, tokenizer_dir):
     corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
     one = prepare_splits(corpus, tokenizer_dir, PrepareConfig(val_fraction=0.2, batch_size=7, workers=1), tmp_path / "a")
@@ -87,6 +88,7 @@ def test_tail_cut_at_a_document_boundary_puts_no_empty_document_in_val(tmp_path,
     assert val_documents(tmp_path / "prep") == ["c" * 50]
 
 
+@pytest.mark.spawns
 def test_val_text_holds_exactly_what_val_bin_encodes(tmp_path, tokenizer_dir):
     """val.jsonl is the evaluation text: encoded as evaluation encodes it, it gives val.bin's tokens."""
     corpus = write_jsonl(tmp_path / "c.jsonl", DOCS + [SCRIPT * 40])

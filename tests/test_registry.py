@@ -72,6 +72,7 @@ def registry(tmp_path_factory):
         yield root, decisions
 
 
+@pytest.mark.spawns
 def test_first_model_becomes_champion(registry):
     _, decisions = registry
     first = decisions[0]
@@ -81,6 +82,7 @@ def test_first_model_becomes_champion(registry):
     json.dumps(first)  # the stage writes it as a report
 
 
+@pytest.mark.spawns
 def test_worse_model_is_only_challenger(registry):
     _, decisions = registry
     worse = decisions[1]
@@ -90,6 +92,7 @@ def test_worse_model_is_only_challenger(registry):
     assert worse["value"] > worse["previous_value"] and "not lower" in worse["reason"]
 
 
+@pytest.mark.spawns
 def test_better_model_takes_champion(registry):
     _, decisions = registry
     better = decisions[2]
@@ -100,6 +103,7 @@ def test_better_model_takes_champion(registry):
     assert int(client.get_model_version_by_alias("tiny", "challenger").version) == 3
 
 
+@pytest.mark.spawns
 def test_version_carries_lineage_tags_and_run(registry):
     _, decisions = registry
     version = MlflowClient().get_model_version("tiny", "2")
@@ -112,6 +116,7 @@ def test_version_carries_lineage_tags_and_run(registry):
     assert open(logged, encoding="utf-8").read() == YARDSTICK.jsonl()
 
 
+@pytest.mark.spawns
 def test_artifacts_stay_under_root(registry):
     root, decisions = registry
     assert (root / "mlartifacts").is_dir()
@@ -119,6 +124,7 @@ def test_artifacts_stay_under_root(registry):
     assert not any((root / "mlartifacts").rglob("*.pkl"))  # models-from-code: nothing pickled
 
 
+@pytest.mark.spawns
 def test_champion_predicts_like_generate_text(registry):
     root, _ = registry
     pyfunc = mlflow.pyfunc.load_model(champion_uri(REG))

@@ -157,6 +157,7 @@ def do_promote(model_dir: Path, tok: Path, yardstick: Yardstick, root: Path, run
 
 # ---- 1. one yardstick per decision ----
 
+@pytest.mark.spawns
 def test_champion_is_judged_on_the_challengers_own_text(assets, store):
     client = MlflowClient()
     # v1: the strong model, measured on text unlike its training text, so its recorded val_bpb is poor.
@@ -248,6 +249,8 @@ for step in args["rounds"]:  # one promotion per store, each when the test says 
 """
 
 
+@pytest.mark.spawns
+@pytest.mark.slow
 def test_concurrent_promotions_leave_the_better_model_champion(assets, empty_store, tmp_path, monkeypatch):
     """Two processes promote the strong and the weak model into one store at once, in three rounds (a store each):
     the strong one with a head start, the weak one with a head start, and both let go together while this test
@@ -346,6 +349,7 @@ def test_concurrent_promotions_leave_the_better_model_champion(assets, empty_sto
 
 # ---- 4. a retried promote ----
 
+@pytest.mark.spawns
 def test_retried_promote_reuses_its_version(assets, store):
     client = MlflowClient()
     first = do_promote(assets.weak, assets.tok, YARD_A, store)
@@ -362,6 +366,7 @@ def test_retried_promote_reuses_its_version(assets, store):
     assert champion_history(client, NAME) == [1, 2]
 
 
+@pytest.mark.spawns
 def test_a_rolled_back_version_is_not_restored_by_a_retried_promote(assets, store):
     client = MlflowClient()
     do_promote(assets.weak, assets.tok, YARD_A, store)
@@ -383,6 +388,7 @@ print(ensure_experiment("sweep", Path(sys.argv[1])))
 """
 
 
+@pytest.mark.spawns
 def test_two_processes_creating_one_experiment_on_a_new_store_both_succeed(tmp_path, monkeypatch):
     """Two queued DVC experiments starting together on a project with no store yet."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
@@ -397,6 +403,7 @@ def test_two_processes_creating_one_experiment_on_a_new_store_both_succeed(tmp_p
 
 # ---- 5. the `ultrathink registry` commands ----
 
+@pytest.mark.spawns
 def test_registry_cli_list_promote_rollback(assets, store, monkeypatch):
     client = MlflowClient()
     assert do_promote(assets.weak, assets.tok, YARD_A, store)["promoted"]  # v1
@@ -477,6 +484,7 @@ def test_registry_cli_list_promote_rollback(assets, store, monkeypatch):
 
 # ---- 6. a model logged from dirs with other names ----
 
+@pytest.mark.spawns
 def test_champion_from_dirs_not_named_model_and_tokenizer_can_be_scored(assets, store):
     """The pyfunc stores its artifacts under the logged folders' names (artifacts/weights, artifacts/tok); the
     champion must still be found and scored (a champion that cannot be scored could never be beaten)."""

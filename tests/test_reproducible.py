@@ -16,7 +16,7 @@ import yaml
 
 from e2e_helpers import copy_project, sh
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.spawns]
 
 MODEL_FILES = ("model.safetensors", "config.json", "history.json", "train_summary.json", "lineage.json")
 

@@ -12,8 +12,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 from safetensors.torch import load_file
+
+pytestmark = [pytest.mark.slow, pytest.mark.spawns]  # three training processes, one of them killed
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 40

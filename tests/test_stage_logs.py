@@ -7,7 +7,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from e2e_helpers import client_for, make_project, set_params, sh
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.spawns]
 
 
 def test_train_writes_tensorboard_scalars_and_each_stage_its_log_file(tmp_path):

@@ -13,7 +13,7 @@ from ultrathink.config import ModelConfig, TokenizerConfig
 from ultrathink.model import UltraThink
 from ultrathink.data.sources import split_documents
 from ultrathink.evaluate import Yardstick, encode_documents, score_documents
-from ultrathink.text_eval import ModelNotFoundError, resolve_model
+from ultrathink.registry.models import ModelNotFoundError, resolve_model
 from ultrathink.tokenizer import load_tokenizer, train_tokenizer
 
 TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 3

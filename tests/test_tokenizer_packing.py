@@ -81,6 +81,7 @@ def split_docs(tokens: np.ndarray, eos_id: int, tok) -> list[str]:
     return [tok.decode(tokens[s:e].tolist()) for s, e in zip(starts, ends)]
 
 
+@pytest.mark.spawns
 def test_packing_counts_splits_and_separates_documents(tmp_path, tokenizer_dir, docs):
     corpus = write_jsonl(tmp_path / "corpus.jsonl", docs)
     meta = prepare_splits(corpus, tokenizer_dir, PrepareConfig(val_fraction=0.2, batch_size=7), tmp_path / "prep")
@@ -106,6 +107,7 @@ def test_packing_counts_splits_and_separates_documents(tmp_path, tokenizer_dir, 
     assert sorted(expected_train + expected_val) == sorted(docs)
 
 
+@pytest.mark.spawns
 def test_packing_is_deterministic_and_replaces_output(tmp_path, tokenizer_dir, docs):
     corpus = write_jsonl(tmp_path / "corpus.jsonl", docs)
     cfg = PrepareConfig(val_fraction=0.2, batch_size=50)
@@ -120,6 +122,7 @@ def test_packing_is_deterministic_and_replaces_output(tmp_path, tokenizer_dir, d
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "corpus.jsonl"]
 
 
+@pytest.mark.spawns
 def test_tiny_corpus_moves_last_document_to_val(tmp_path, tokenizer_dir):
     texts = ["first document", "second document", "third document"]
     assert all(split_fraction(t) >= 0.01 for t in texts)  # hashing alone would leave val empty

@@ -1,4 +1,5 @@
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +12,8 @@ from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.loader import TokenWindows, eval_batches
 from ultrathink.train.optim import param_groups
 from ultrathink.train.schedule import lr_factor
-from ultrathink.train.trainer import NonFiniteLossError, Trainer
+from ultrathink.train.distributed import Distributed
+from ultrathink.train.trainer import NonFiniteLossError, Trainer, ready_model
 
 MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, seq_len=16)
 VOCAB = 50
@@ -34,7 +36,7 @@ def make_trainer(tmp_path, steps, seed=0, model_cfg=MODEL, fingerprint=FP, **ove
     model = UltraThink(model_cfg, VOCAB)
     loader = TokenWindows(corpus(), model_cfg.seq_len, cfg.batch_size, cfg.seed)
     checkpoints = CheckpointManager(tmp_path / "ckpt", fingerprint, 2, cfg.keep_configs, extra={"optimizer": cfg.optimizer})
-    return Trainer(model, loader, corpus(600, seed=0), cfg, checkpoints)
+    return Trainer(ready_model(model, cfg, None, Distributed()), loader, corpus(600, seed=0), cfg, checkpoints)
 
 
 @pytest.mark.parametrize("schedule, expected", [
@@ -261,6 +263,31 @@ def test_select_last_keeps_the_final_weights_and_best_picks_the_lowest_val(tmp_p
     assert all(torch.equal(w, best.model.state_dict()[n]) for n, w in chosen.load_weights().items())
 
 
+def test_a_kill_while_best_is_replaced_keeps_the_previous_best(tmp_path, monkeypatch):
+    """best/ is replaced by renames only: the previous best is renamed aside, the new one put in place, then the
+    old one removed. A kill between the two renames leaves the previous best, which best() puts back."""
+    from ultrathink.train import checkpoint as checkpoint_module
+
+    trainer = make_trainer(tmp_path, 15, select="best")
+    fake = iter([2.0, 1.0, 3.0])  # step 5 is best, then step 10 replaces it
+    trainer.validate = lambda: next(fake)
+    real_replace = checkpoint_module.os.replace
+
+    def killed_at_the_second_best(src, dst):
+        if Path(dst).name == "best" and Path(src).name.endswith(".partial") and trainer.step == 10:
+            raise KeyboardInterrupt  # the process dies after the old best was renamed aside
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint_module.os, "replace", killed_at_the_second_best)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()
+    monkeypatch.setattr(checkpoint_module.os, "replace", real_replace)
+    assert not (trainer.checkpoints.directory / "best").exists()
+    restored = trainer.checkpoints.best()
+    assert restored is not None and restored.step == 5
+    assert (trainer.checkpoints.directory / "best").is_dir()
+
+
 ROUTED = MODEL.model_copy(update={"n_layers": 4, "moe": MODEL.moe.model_copy(update={"enabled": True, "every": 2}),
                                   "dre": MODEL.dre.model_copy(update={"enabled": True, "every": 3, "warmup_steps": 2})})
 
@@ -314,6 +341,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
 
 
+@pytest.mark.spawns
 def test_compiled_training_matches_eager(tmp_path):
     no_dropout = MODEL.model_copy(update={"dropout": 0.0})  # compiled code draws dropout masks differently
     eager = make_trainer(tmp_path / "eager", 3, model_cfg=no_dropout, eval_every=100)

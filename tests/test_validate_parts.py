@@ -46,7 +46,7 @@ def write_glob(root: Path, texts: list, files: int = 4) -> None:
 
 
 def run_stage(root: Path, monkeypatch, constitution: bool = False, **validate) -> dict:
-    from tasks.validate import run
+    from ultrathink.stages.validate import run
 
     monkeypatch.chdir(root)
     if constitution:
@@ -67,6 +67,7 @@ def same_results(a: list[dict], b: list[dict]) -> None:
         assert x["observed"] == pytest.approx(y["observed"])
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("case", sorted(BAD_CORPORA))
 def test_parallel_tasks_report_what_one_pass_in_memory_reports(case, tmp_path, monkeypatch):
     texts = BAD_CORPORA[case]
@@ -82,6 +83,7 @@ def test_parallel_tasks_report_what_one_pass_in_memory_reports(case, tmp_path, m
     assert not list((tmp_path / "data/validated").glob(".*"))  # and no work or temp files left
 
 
+@pytest.mark.spawns
 def test_shards_are_identical_whatever_the_tasks_and_workers(tmp_path, monkeypatch):
     runs = {}
     for name, knobs in {"one task": {"tasks": 1, "workers": 1}, "4 tasks on 1 worker": {"tasks": 4, "workers": 1},
@@ -143,6 +145,7 @@ def test_a_failed_task_names_its_file_and_the_next_run_redoes_only_unfinished_pa
     assert len(list((tmp_path / "data/validated").glob(".*"))) == 0
 
 
+@pytest.mark.spawns
 @pytest.mark.slow
 def test_the_ray_executor_writes_the_shards_the_local_one_does(tmp_path, monkeypatch):
     """executor: ray runs the same tasks on a (here local, started for the run) Ray cluster: same shards, byte for
@@ -201,6 +204,7 @@ def test_the_work_directory_follows_every_file_the_corpus_is_read_from(tmp_path,
         assert _work_dir(params, tmp_path, out) != before, data
 
 
+@pytest.mark.spawns
 @pytest.mark.slow
 def test_a_second_run_waits_for_the_first(tmp_path):
     """Two validate runs of one project would share the work directory of the same inputs (and the first to
@@ -211,7 +215,7 @@ def test_a_second_run_waits_for_the_first(tmp_path):
 
     import yaml
 
-    from tasks.validate import run_lock
+    from ultrathink.stages.validate import run_lock
 
     write_glob(tmp_path, GOOD)
     params = yaml.safe_load((ROOT / "params.yaml").read_text())

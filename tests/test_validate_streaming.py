@@ -90,7 +90,7 @@ def test_shards_roll_over_and_read_back_in_order(tmp_path):
 
 
 def run_validate(root: Path, monkeypatch, texts: list, **validate) -> dict:
-    from tasks.validate import run
+    from ultrathink.stages.validate import run
 
     monkeypatch.chdir(root)
     Path("raw.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))

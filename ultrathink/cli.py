@@ -23,6 +23,19 @@ err = Console(stderr=True)
 
 PARAMS_OPT = typer.Option(Path("params.yaml"), "--params", "-p", help="params file")
 SET_OPT = typer.Option(None, "--set", "-S", help="override a knob, e.g. -S train.lr=3e-4 (see `ultrathink params`)")
+DEVICE_OPT = typer.Option("auto", "--device", help="where the model runs: auto (the GPU when there is one, else the "
+                          "CPU), cpu, cuda, cuda:N, ...")
+
+
+def _device(requested: str):
+    """The torch.device of --device; one that is no device, or that this machine lacks, exits 2 naming it."""
+    from ultrathink.device import DeviceError, resolve_device
+
+    try:
+        return resolve_device(requested)
+    except DeviceError as exc:
+        err.print(f"[bold red]error:[/] --device: {exc}", highlight=False)
+        raise typer.Exit(2) from None
 
 
 def _load(params: Path, overrides: Optional[list[str]]) -> Params:
@@ -63,14 +76,15 @@ def run() -> None:
 def eval_text(model: str = typer.Option(..., "--model", "-m", help="model dir (artifacts/model) or MLflow URI "
                                         "(models:/ultrathink@champion)"),
               text_file: Path = typer.Option(..., "--text-file", "-f", help="UTF-8 text to score"),
-              params: Path = PARAMS_OPT, set_: Optional[list[str]] = SET_OPT) -> None:
+              params: Path = PARAMS_OPT, set_: Optional[list[str]] = SET_OPT, device: str = DEVICE_OPT) -> None:
     """Loss and bits per byte of a text file under a model and its own tokenizer, scored as the evaluate stage
     scores (the file is split into documents by data.txt_unit, e.g. -S data.txt_unit=line)."""
-    from ultrathink.text_eval import evaluate_text_file
+    from ultrathink.registry.models import evaluate_text_file
 
     settings = _load(params, set_) if params.exists() or set_ else Params()
+    target = _device(device)
     try:
-        score = evaluate_text_file(model, text_file, settings.data.txt_unit)
+        score = evaluate_text_file(model, text_file, settings.data.txt_unit, device=target)
     except StageError as exc:
         err.print(f"[bold red]eval failed:[/] {exc}", highlight=False)
         raise typer.Exit(1) from None
@@ -103,10 +117,11 @@ def _sampling(params: Path, set_: Optional[list[str]], flags: dict):
         raise typer.Exit(2) from None
 
 
-def _load_model(ref: str, command: str):
-    """(model, tokenizer) named by a directory or an MLflow URI; a missing model exits 1 saying what was looked for."""
+def _load_model(ref: str, command: str, device):
+    """(model, tokenizer) named by a directory or an MLflow URI, the model on `device`; a missing model exits 1
+    saying what was looked for."""
     from ultrathink.model import UltraThink
-    from ultrathink.text_eval import resolve_model
+    from ultrathink.registry.models import resolve_model
     from ultrathink.tokenizer import load_tokenizer
 
     try:
@@ -114,7 +129,7 @@ def _load_model(ref: str, command: str):
     except StageError as exc:
         err.print(f"[bold red]{command} failed:[/] {exc}", highlight=False)
         raise typer.Exit(1) from None
-    return UltraThink.from_pretrained(model_dir), load_tokenizer(tokenizer_dir)
+    return UltraThink.from_pretrained(model_dir, device=device), load_tokenizer(tokenizer_dir)
 
 
 @app.command()
@@ -123,16 +138,17 @@ def generate(model: str = MODEL_REF_OPT,
                                         "longer than the context)"),
              max_new_tokens: Optional[int] = MAX_NEW_OPT, temperature: Optional[float] = TEMPERATURE_OPT,
              top_k: Optional[int] = TOP_K_OPT, top_p: Optional[float] = TOP_P_OPT, seed: Optional[int] = SEED_OPT,
-             params: Path = PARAMS_OPT, set_: Optional[list[str]] = SET_OPT) -> None:
+             params: Path = PARAMS_OPT, set_: Optional[list[str]] = SET_OPT, device: str = DEVICE_OPT) -> None:
     """Continue a prompt with a model, printing the text as the tokens come. Unset flags take the evaluate.*
     params, so `generate` samples as the evaluate stage and the registered model do."""
     from ultrathink.model.generate import stream_text
 
     cfg = _sampling(params, set_, {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
                                    "top_p": top_p, "seed": seed})
-    loaded, tokenizer = _load_model(model, "generate")
+    target = _device(device)
+    loaded, tokenizer = _load_model(model, "generate", target)
     for piece in stream_text(loaded, tokenizer, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed,
-                             cfg.top_p):
+                             cfg.top_p, target):
         print(piece, end="", flush=True)
     print()
 
@@ -143,15 +159,16 @@ def chat(model: str = MODEL_REF_OPT,
                                                "read messages from the terminal, one per line)"),
          max_new_tokens: Optional[int] = MAX_NEW_OPT, temperature: Optional[float] = TEMPERATURE_OPT,
          top_k: Optional[int] = TOP_K_OPT, top_p: Optional[float] = TOP_P_OPT, seed: Optional[int] = SEED_OPT,
-         params: Path = PARAMS_OPT, set_: Optional[list[str]] = SET_OPT) -> None:
+         params: Path = PARAMS_OPT, set_: Optional[list[str]] = SET_OPT, device: str = DEVICE_OPT) -> None:
     """Talk to a fine-tuned model: each line is a user message, the answer streams back, and the conversation so
     far is the context (cropped to its last tokens when longer). `/reset` starts over; an empty line or end of
     input ends. The chat template comes from the model's tokenizer (stage finetune)."""
-    from ultrathink.finetune.chat import NOT_A_CHAT_MODEL, assistant, is_chat_tokenizer, stream_reply, user
+    from ultrathink.model.chat import NOT_A_CHAT_MODEL, assistant, is_chat_tokenizer, stream_reply, user
 
     cfg = _sampling(params, set_, {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
                                    "top_p": top_p, "seed": seed})
-    loaded, tokenizer = _load_model(model, "chat")
+    target = _device(device)
+    loaded, tokenizer = _load_model(model, "chat", target)
     if not is_chat_tokenizer(tokenizer):
         err.print(f"[bold red]chat failed:[/] {model}: {NOT_A_CHAT_MODEL}", highlight=False)
         raise typer.Exit(1)
@@ -164,7 +181,7 @@ def chat(model: str = MODEL_REF_OPT,
         history.append(user(line))
         answer = ""
         for piece in stream_reply(loaded, tokenizer, history, cfg.max_new_tokens, cfg.temperature, cfg.top_k,
-                                  cfg.seed, cfg.top_p):
+                                  cfg.seed, cfg.top_p, target):
             print(piece, end="", flush=True)
             answer += piece
         print()

@@ -35,9 +35,10 @@ class Yardstick:
     def jsonl(self) -> str:
         return "".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in self.documents)
 
-    def score(self, files: ModelFiles) -> float:
-        """Bits per byte of the text under a model (under its own code when it is a registered one)."""
-        return score_model(files, self.documents).bits_per_byte
+    def score(self, files: ModelFiles, device=None) -> float:
+        """Bits per byte of the text under a model (under its own code when it is a registered one), run on
+        `device` (None or "auto": the GPU when there is one)."""
+        return score_model(files, self.documents, device=device).bits_per_byte
 
     @property
     def sha256(self) -> str:
@@ -62,8 +63,8 @@ class ChatYardstick(Yardstick):
     def jsonl(self) -> str:
         return "".join(json.dumps({"messages": list(c)}, ensure_ascii=False) + "\n" for c in self.documents)
 
-    def score(self, files: ModelFiles) -> float:
-        return score_model(files, self.documents, chats=True).bits_per_byte
+    def score(self, files: ModelFiles, device=None) -> float:
+        return score_model(files, self.documents, chats=True, device=device).bits_per_byte
 
     @property
     def bytes(self) -> int:
@@ -88,10 +89,11 @@ def unigram_cross_entropy(train_tokens: np.ndarray, val_tokens: np.ndarray, voca
     return float(-log_probs[np.asarray(val_tokens)].mean())
 
 
-def sample_generations(model: UltraThink, tokenizer, cfg: EvaluateConfig) -> list[dict[str, str]]:
-    """For each prompt, the greedy continuation and one sampled with the configured temperature, top-k and top-p."""
+def sample_generations(model: UltraThink, tokenizer, cfg: EvaluateConfig, device=None) -> list[dict[str, str]]:
+    """For each prompt, the greedy continuation and one sampled with the configured temperature, top-k and top-p,
+    on `device` (the model is moved there) or, when None, on the model's device."""
     def complete(prompt: str, temperature: float) -> str:
         return generate_text(model, tokenizer, prompt, cfg.max_new_tokens, temperature, cfg.top_k, cfg.seed,
-                             cfg.top_p)
+                             cfg.top_p, device)
 
     return [{"prompt": p, "greedy": complete(p, 0.0), "sampled": complete(p, cfg.temperature)} for p in cfg.prompts]

@@ -14,8 +14,8 @@ from ultrathink.hashing import directory_hash, files_hash
 # The project's own packages: the module closure of a stage follows imports into these and no others.
 PROJECT_PACKAGES = ("ultrathink", "tasks")
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-# The entry point whose module closure is the code that determines a pretrained model's weights.
-TRAINING_CODE = "tasks.train"
+# The stage whose module closure is the code that determines a pretrained model's weights.
+TRAINING_CODE = "ultrathink.stages.train"
 
 
 def git_commit(root: str | Path = ".") -> str:
@@ -26,7 +26,7 @@ def git_commit(root: str | Path = ".") -> str:
         return "unknown"
 
 
-def _source(name: str, root: Path) -> Path | None:
+def module_source(name: str, root: Path) -> Path | None:
     base = root.joinpath(*name.split("."))
     for path in (base / "__init__.py", base.with_suffix(".py")):
         if path.is_file():
@@ -34,7 +34,7 @@ def _source(name: str, root: Path) -> Path | None:
     return None
 
 
-def _imported(name: str, path: Path):
+def imported_names(name: str, path: Path):
     """The names a module imports anywhere in its source (function-level imports too): `a.b`, and `a.b.c` for
     `from a.b import c` (c may be a submodule)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -59,9 +59,9 @@ def module_closure(entry: str, root: Path = PROJECT_ROOT) -> list[Path]:
         parts = name.split(".")
         for depth in range(1, len(parts) + 1):
             module = ".".join(parts[:depth])
-            if module not in found and (path := _source(module, root)) is not None:
+            if module not in found and (path := module_source(module, root)) is not None:
                 found[module] = path
-                pending.extend(_imported(module, path))
+                pending.extend(imported_names(module, path))
     if entry not in found:
         raise ModuleNotFoundError(f"{entry}: no such module under {root}")
     return sorted(path.relative_to(root) for path in found.values())

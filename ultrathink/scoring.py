@@ -36,7 +36,8 @@ def bits_per_byte(loss_nats: float, n_tokens: int, n_bytes: int) -> float:
 
 def encode_documents(tokenizer, documents) -> torch.Tensor:
     """[EOS] + each document's ids followed by EOS: the packing of the prepare stage, with the EOS that precedes
-    the first document so that its first token is predicted as every other document's is."""
+    the first document so that its first token is predicted as every other document's is. On the CPU: the scorers
+    put it on the model's device."""
     if not documents:
         raise ValueError("no documents: there is nothing to score")
     eos = tokenizer.eos_token_id
@@ -44,7 +45,7 @@ def encode_documents(tokenizer, documents) -> torch.Tensor:
     for encoding in tokenizer.backend_tokenizer.encode_batch_fast(list(documents), add_special_tokens=False):
         ids += encoding.ids
         ids.append(eos)
-    return torch.tensor(ids, dtype=torch.long)
+    return torch.tensor(ids, dtype=torch.long, device="cpu")
 
 
 @torch.no_grad()
@@ -82,8 +83,8 @@ def windows(tokens: torch.Tensor, seq_len: int, batch_size: int):
 def score_stream(model, stream: torch.Tensor, n_bytes: int, n_documents: int, batch_size: int = 8,
                  context=nullcontext) -> TextScore:
     """Score every prediction of a packed token stream (see encode_documents) once, on the model's device."""
-    device = next(model.parameters()).device
-    batches = ((x.to(device), y.to(device)) for x, y in windows(stream, model.cfg.seq_len, batch_size))
+    stream = stream.to(next(model.parameters()).device)
+    batches = windows(stream, model.cfg.seq_len, batch_size)
     loss, predicted = mean_loss(model, batches, context)
     return TextScore(loss=loss, bits_per_byte=bits_per_byte(loss, predicted, n_bytes), perplexity=math.exp(loss),
                      tokens=predicted, bytes=n_bytes, documents=n_documents)
@@ -116,7 +117,7 @@ def encode_conversation(tokenizer, messages) -> tuple[list[int], list[bool]]:
         through = render_chat(tokenizer, messages[: i + 1])
         if ids[: len(through)] != through or through[-1] != tokenizer.eos_token_id or start >= len(through):
             raise ValueError("the tokenizer's chat template does not close each turn with the EOS token, or its "
-                             "special tokens are split as text (a chat tokenizer: ultrathink.finetune.chat)")
+                             "special tokens are split as text (a chat tokenizer: ultrathink.model.chat)")
         answer[start : len(through)] = [True] * (len(through) - start)
     return ids, answer
 
@@ -135,7 +136,7 @@ def fit_window(ids: list[int], answer: list[bool], window: int) -> tuple[list[in
 def chat_rows(tokenizer, conversations, window: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(x, y, answer bytes): x and y of shape (N, window - 1), each chat fitted to the window and padded, y IGNORE
     except on answer tokens; and the UTF-8 bytes of the answer text those targets spell (a cropped answer counts
-    only what was kept)."""
+    only what was kept). On the CPU: the scorers put them on the model's device."""
     xs, ys, n_bytes = [], [], 0
     for messages in conversations:
         ids, answer = fit_window(*encode_conversation(tokenizer, messages), window)
@@ -145,7 +146,8 @@ def chat_rows(tokenizer, conversations, window: int, pad_id: int) -> tuple[torch
         ys.append(targets + [IGNORE] * pad)
         spelled = [t for t in targets if t not in (IGNORE, tokenizer.eos_token_id)]
         n_bytes += len(tokenizer.decode(spelled).encode("utf-8"))
-    return torch.tensor(xs, dtype=torch.long), torch.tensor(ys, dtype=torch.long), n_bytes
+    return (torch.tensor(xs, dtype=torch.long, device="cpu"), torch.tensor(ys, dtype=torch.long, device="cpu"),
+            n_bytes)
 
 
 def answer_bytes(conversations) -> int:
@@ -162,8 +164,8 @@ def score_conversations(model, tokenizer, conversations, batch_size: int = 8, co
         raise ValueError("no chats: there is nothing to score")
     device = next(model.parameters()).device
     x, y, n_bytes = chat_rows(tokenizer, conversations, model.cfg.seq_len + 1, tokenizer.pad_token_id)
-    batches = ((x[i : i + batch_size].to(device), y[i : i + batch_size].to(device))
-               for i in range(0, len(x), batch_size))
+    x, y = x.to(device), y.to(device)
+    batches = ((x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, len(x), batch_size))
     loss, predicted = mean_loss(model, batches, context)
     return TextScore(loss=loss, bits_per_byte=bits_per_byte(loss, predicted, n_bytes), perplexity=math.exp(loss),
                      tokens=predicted, bytes=n_bytes, documents=len(conversations))

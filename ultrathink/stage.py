@@ -1,6 +1,7 @@
 """Running one stage: `python -m tasks.<name> [--params P] [--set K=V]...` (dvc.yaml's commands) and `ultrathink
-stage <name>` both come here. Kept apart from the CLI so a stage's process imports only what the stage itself
-needs: what it imports is its code in dvc.yaml and in the checkpoint fingerprint (lineage.module_closure)."""
+stage <name>` both come here, to ultrathink/stages/<name>.py's `run`. Kept apart from the CLI so a stage's process
+imports only what the stage itself needs: what it imports is its code in dvc.yaml and in the checkpoint fingerprint
+(lineage.module_closure)."""
 
 from __future__ import annotations
 
@@ -8,27 +9,29 @@ import argparse
 import importlib
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from ultrathink.config import Params, ParamsError, load_params
 from ultrathink.errors import StageError
 
-OUR_LOGGERS = ("ultrathink", "tasks")
+OUR_LOGGERS = ("ultrathink",)
 
 
-def run_stage(name: str, params: Params) -> int:
-    """Run tasks/<name>.py's `run(params)`; a stage failure is one line naming the stage, and exit code 1."""
+def run_stage(name: str, params: Params, run: Callable[[Params], None] | None = None) -> int:
+    """Run the stage's `run(params)` (ultrathink/stages/<name>.py's, unless given); a stage failure is one line
+    naming the stage, and exit code 1."""
     log_stage_to_file(name, params)
-    module = importlib.import_module(f"tasks.{name}")
+    run = run or importlib.import_module(f"ultrathink.stages.{name}").run
     try:
-        module.run(params)
+        run(params)
     except StageError as exc:
         print(f"{name} failed: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
-def stage_entry(name: str) -> None:
+def stage_entry(name: str, run: Callable[[Params], None]) -> None:
     """`python -m tasks.<name> [--params P] [--set K=V]...`: the params checked by the schema (a bad key or value
     exits 2, naming it), then the stage."""
     log_to_stderr()
@@ -42,7 +45,7 @@ def stage_entry(name: str) -> None:
     except ParamsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    sys.exit(run_stage(name, params))
+    sys.exit(run_stage(name, params, run))
 
 
 def log_to_stderr() -> None:

@@ -19,7 +19,7 @@ import torch
 
 from ultrathink.config import FinetuneConfig
 from ultrathink.errors import StageError
-from ultrathink.finetune.chat import ROLES, assistant, user
+from ultrathink.model.chat import ROLES, assistant, user
 from ultrathink.scoring import chat_rows
 from ultrathink.train.loader import EpochOrder, OrderedBatches
 

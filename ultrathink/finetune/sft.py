@@ -12,24 +12,24 @@ import torch
 from peft import PeftModel
 
 from ultrathink.config import Params, TrainConfig
-from ultrathink.finetune.chat import reply
+from ultrathink.model.chat import reply
 from ultrathink.finetune.lora import add_adapters, merged
 from ultrathink.finetune.pairs import ChatBatches, ChatEval
 from ultrathink.lineage import code_hash
 from ultrathink.model import UltraThink
 from ultrathink.model.model import WEIGHTS_FILE
 from ultrathink.registry.champion import CHAMPION
-from ultrathink.registry.tracking import pin_model_uri
 from ultrathink.scoring import TextScore, score_conversations
-from ultrathink.text_eval import is_mlflow_uri, resolve_model
+from ultrathink.registry.models import resolve_named_model
 from ultrathink.config.fingerprint import finetune_params_hash
 from ultrathink.hashing import file_sha256, json_hash
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.plan import Plan, PlanBook, apply_plan, plan_run
-from ultrathink.train.trainer import Trainer
+from ultrathink.train.distributed import Distributed
+from ultrathink.train.trainer import Trainer, ready_model
 
 # The entry point whose module closure determines a fine-tuned model's weights (lineage.module_closure).
-FINETUNE_CODE = "tasks.finetune"
+FINETUNE_CODE = "ultrathink.stages.finetune"
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,9 @@ def resolve_base(params: Params, root: Path = Path(".")) -> Base:
     version it names now, which is what the lineage records."""
     ref = params.finetune.init_from
     uri = f"models:/{params.registry.model_name}@{CHAMPION}" if ref == CHAMPION else ref
-    pinned = pin_model_uri(uri, root) if is_mlflow_uri(uri) else uri
-    model_dir, tokenizer_dir = resolve_model(pinned, root)
-    return Base(ref, pinned, model_dir, tokenizer_dir, file_sha256(model_dir / WEIGHTS_FILE))
+    named = resolve_named_model(uri, root)
+    files = named.files
+    return Base(ref, named.pinned, files.model_dir, files.tokenizer_dir, file_sha256(files.model_dir / WEIGHTS_FILE))
 
 
 def train_config(params: Params) -> TrainConfig:
@@ -84,13 +84,14 @@ class Setup:
         return merged(self.adapted) if self.adapted is not None else self.trainer.model
 
 
-def build(params: Params, base: Base, tokenizer, train_chats: list, val_chats: list, log_metrics=None) -> Setup:
-    """The base model with adapters (or all weights trainable), its chat batches and the Trainer, checkpointing
-    into this configuration's own folder of paths.finetune_checkpoint_dir."""
+def build(params: Params, base: Base, tokenizer, train_chats: list, val_chats: list, dist: Distributed,
+          log_metrics=None) -> Setup:
+    """The base model with adapters (or all weights trainable) on `dist.device`, its chat batches and the Trainer,
+    checkpointing into this configuration's own folder of paths.finetune_checkpoint_dir."""
     cfg, ft = train_config(params), params.finetune
     model = UltraThink.from_pretrained(base.model_dir)
     # Precision and attention kernel: decided once per configuration and machine class, as pretraining's.
-    decided = plan_run(model.cfg, cfg, model.vocab_size, train_chats, val_chats, "cpu", 1,
+    decided = plan_run(model.cfg, cfg, model.vocab_size, train_chats, val_chats, dist.device, dist.world_size,
                        PlanBook(params.paths.finetune_plan))
     _, cfg = apply_plan(decided.plan, model.cfg, cfg)
     torch.manual_seed(ft.seed)  # the adapters' initial A matrices
@@ -101,8 +102,9 @@ def build(params: Params, base: Base, tokenizer, train_chats: list, val_chats: l
                                     fingerprint(params, base, train_chats, val_chats, decided.plan),
                                     cfg.keep_checkpoints,
                                     cfg.keep_configs, extra={"base_model": base.pinned, "method": ft.method})
+    ready_model(trained, cfg, decided.plan.kernel, dist)
     trainer = Trainer(trained, ChatBatches(tokenizer, train_chats, seq_len, cfg.batch_size, ft.seed),
-                      ChatEval(tokenizer, val_chats, seq_len), cfg, checkpoints, log_metrics,
+                      ChatEval(tokenizer, val_chats, seq_len), cfg, checkpoints, log_metrics, dist,
                       attention=decided.plan.kernel, peak_flops=decided.peak_flops)
     return Setup(trainer, adapted)
 

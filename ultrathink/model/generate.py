@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ultrathink.device import DeviceLike, place
 from ultrathink.model.model import KVCache, UltraThink
 
 
@@ -37,11 +38,14 @@ def crop_prompt(idx: torch.Tensor, context: int, max_new_tokens: int) -> torch.T
 @torch.no_grad()
 def stream(model: UltraThink, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
            top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
-           seed: int | None = None, use_cache: bool = True) -> Iterator[torch.Tensor]:
+           seed: int | None = None, use_cache: bool = True, device: DeviceLike | None = None) -> Iterator[torch.Tensor]:
     """Extend `idx` (B, T) token by token, yielding each step's new ids (B, 1), for up to max_new_tokens steps;
     rows that emitted eos_id keep emitting it, and the stream ends when all have. A prompt longer than the context
-    allows is cropped to its last tokens (crop_prompt)."""
+    allows is cropped to its last tokens (crop_prompt). Runs on `device` (the model is moved there) or, when None,
+    on the model's device; `idx` is put there and the yielded ids are on it. The sampling generator lives on that
+    device too, so a seed gives the same tokens as ever on a CPU."""
     model.eval()
+    idx = idx.to(place(model, device))
     generator = torch.Generator(device=idx.device).manual_seed(seed) if seed is not None else None
     idx = crop_prompt(idx, model.cfg.seq_len, max_new_tokens)
     max_new_tokens = min(max_new_tokens, model.cfg.seq_len - idx.shape[1])
@@ -63,22 +67,26 @@ def stream(model: UltraThink, idx: torch.Tensor, max_new_tokens: int, temperatur
 
 def generate(model: UltraThink, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
-             seed: int | None = None, use_cache: bool = True) -> torch.Tensor:
-    """`idx` (cropped to the context, see crop_prompt) followed by the tokens `stream` generates: (B, T')."""
+             seed: int | None = None, use_cache: bool = True, device: DeviceLike | None = None) -> torch.Tensor:
+    """`idx` (cropped to the context, see crop_prompt) followed by the tokens `stream` generates: (B, T'), on the
+    device generation ran on (`device`, else the model's)."""
+    idx = idx.to(place(model, device))
     prompt = crop_prompt(idx, model.cfg.seq_len, max_new_tokens)
     new = list(stream(model, idx, max_new_tokens, temperature, top_k, top_p, eos_id, seed, use_cache))
     return torch.cat([prompt, *new], dim=1)
 
 
 def stream_text(model: UltraThink, tokenizer, prompt: str, max_new_tokens: int, temperature: float,
-                top_k: int | None, seed: int, top_p: float | None = None) -> Iterator[str]:
+                top_k: int | None, seed: int, top_p: float | None = None,
+                device: DeviceLike | None = None) -> Iterator[str]:
     """The continuation of `prompt` as text, piece by piece as tokens come, stopping at end-of-text. A piece is
-    held back while it ends inside a multi-byte character (byte-level tokens can split one)."""
+    held back while it ends inside a multi-byte character (byte-level tokens can split one). Runs on `device` (the
+    model is moved there) or, when None, on the model's device."""
     ids = tokenizer.encode(prompt, add_special_tokens=False) or [tokenizer.eos_token_id]
     new: list[int] = []
     shown = ""
-    for token in stream(model, torch.tensor([ids], dtype=torch.long), max_new_tokens, temperature, top_k, top_p,
-                        tokenizer.eos_token_id, seed):
+    prompt_ids = torch.tensor([ids], dtype=torch.long, device=place(model, device))
+    for token in stream(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, tokenizer.eos_token_id, seed):
         if token.item() == tokenizer.eos_token_id:
             break
         new.append(token.item())
@@ -92,6 +100,8 @@ def stream_text(model: UltraThink, tokenizer, prompt: str, max_new_tokens: int, 
 
 
 def generate_text(model: UltraThink, tokenizer, prompt: str, max_new_tokens: int, temperature: float,
-                  top_k: int | None, seed: int, top_p: float | None = None) -> str:
-    """The continuation of `prompt` as text (without the prompt), stopping at end-of-text."""
-    return "".join(stream_text(model, tokenizer, prompt, max_new_tokens, temperature, top_k, seed, top_p))
+                  top_k: int | None, seed: int, top_p: float | None = None,
+                  device: DeviceLike | None = None) -> str:
+    """The continuation of `prompt` as text (without the prompt), stopping at end-of-text, on `device` (else the
+    model's)."""
+    return "".join(stream_text(model, tokenizer, prompt, max_new_tokens, temperature, top_k, seed, top_p, device))

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ultrathink.device import device_type, is_cuda
+
 log = logging.getLogger(__name__)
 
 _BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
@@ -56,7 +58,7 @@ def candidates(setting: str, device: str, autocast_dtype: torch.dtype | None) ->
     """The default first (torch's choice, in fp32 on a CPU under bf16), then the alternatives `auto` times."""
     if setting != "auto":
         return [AttentionKernel(setting, fp32=False)]
-    if not device.startswith("cpu"):
+    if device_type(device) != "cpu":
         return [AttentionKernel("torch", fp32=False)]
     upcasts = (False, True) if autocast_dtype == torch.bfloat16 else (False,)
     return [AttentionKernel()] + [AttentionKernel(b, fp32) for b in _BACKENDS for fp32 in upcasts]
@@ -123,12 +125,12 @@ def label(kernel: AttentionKernel) -> str:
 def _time_once(option, q, k, v, grad, dropout, autocast_dtype, device) -> float:
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     started = time.perf_counter()
-    with torch.random.fork_rng(devices=[] if device.startswith("cpu") else [torch.device(device).index or 0]):
-        with torch.autocast(device.split(":")[0], dtype=autocast_dtype, enabled=autocast_dtype is not None):
+    with torch.random.fork_rng(devices=[torch.device(device).index or 0] if is_cuda(device) else []):
+        with torch.autocast(device_type(device), dtype=autocast_dtype, enabled=autocast_dtype is not None):
             with option.scope(q) as cast:
                 y = F.scaled_dot_product_attention(cast(q), cast(k), cast(v), is_causal=True, dropout_p=dropout,
                                                    enable_gqa=q.shape[1] != k.shape[1])
         y.backward(grad.to(y.dtype))
-    if device.startswith("cuda"):
+    if is_cuda(device):
         torch.cuda.synchronize(device)
     return time.perf_counter() - started

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from ultrathink.config import ModelConfig
+from ultrathink.device import resolve_device
 from ultrathink.model.kernels import AttentionKernel
 from ultrathink.model.routing import Records, RoutingModule, StepStats, numel, prefixed, variant_classes
 
@@ -97,6 +98,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
         self.dropout = cfg.dropout
+        self.kernel = AttentionKernel()  # which SDPA kernel (and, on a CPU under bf16, whether fp32): kernels.py
 
     def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0, mask=None) -> torch.Tensor:
         """x (B, T, d); cos/sin (T, head_dim), or (B, T, head_dim) for tokens at their own positions. `mask`
@@ -120,8 +122,6 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # the same rotation for every head
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
-
-    kernel = AttentionKernel()  # which SDPA kernel (and, on a CPU under bf16, whether fp32): kernels.py
 
     def mix(self, q, k, v, mask=None, causal: bool = False) -> torch.Tensor:
         """Scaled dot-product attention over (B, heads, T, head_dim) queries, keys and values."""
@@ -188,6 +188,7 @@ class UltraThink(nn.Module):
     def __init__(self, cfg: ModelConfig, vocab_size: int):
         super().__init__()
         self.cfg, self.vocab_size = cfg, vocab_size
+        self.checkpoint_blocks = False  # gradient checkpointing: ~1/3 more compute for less activation memory
         self.embed = nn.Embedding(vocab_size, cfg.d_model)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
         self.blocks = nn.ModuleList(make_block(cfg, i) for i in range(cfg.n_layers))
@@ -234,13 +235,15 @@ class UltraThink(nn.Module):
                 loss = loss + aux
         return ModelOutput(logits, loss, aux, {name: r.stats for name, r in records.items()})
 
-    checkpoint_blocks = False  # gradient checkpointing: trades ~1/3 more compute for activation memory
-
     def use_attention(self, kernel: AttentionKernel) -> None:
         """Run every attention layer (routed blocks' included) with `kernel` (train.attention chose it)."""
         for module in self.modules():
             if isinstance(module, Attention):
                 module.kernel = kernel
+
+    def attention_kernel(self) -> AttentionKernel:
+        """The kernel the attention layers run (use_attention sets it; all layers share it)."""
+        return next(m.kernel for m in self.modules() if isinstance(m, Attention))
 
     def _aux_loss(self, records: Records) -> torch.Tensor | None:
         """Each variant's aux losses averaged over its modules (so a weight means the same at any depth), summed
@@ -308,10 +311,13 @@ class UltraThink(nn.Module):
         (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "UltraThink":
-        """Load weights with safetensors (no unpickling), on CPU, in eval mode."""
+    def from_pretrained(cls, model_dir: str | Path, device: str | torch.device = "cpu") -> "UltraThink":
+        """Load weights with safetensors (no unpickling), in eval mode, on `device` (the CPU unless told: "auto"
+        is the GPU when there is one, see ultrathink.device.resolve_device; an unavailable device raises)."""
+        target = resolve_device(device)  # before the work: a bad device fails fast
         model_dir = Path(model_dir)
         config = json.loads((model_dir / CONFIG_FILE).read_text())
-        model = cls(ModelConfig(**config["model"]), config["vocab_size"])
-        model.load_state_dict(load_file(model_dir / WEIGHTS_FILE))
-        return model.eval()
+        with torch.device("cpu"):  # built where the weights are read, whatever torch's default device, then moved
+            model = cls(ModelConfig(**config["model"]), config["vocab_size"])
+        model.load_state_dict(load_file(model_dir / WEIGHTS_FILE, device="cpu"))
+        return model.to(target).eval()

@@ -90,7 +90,7 @@ def current_champion(client: MlflowClient, name: str) -> ModelVersion | None:
 
 def score_version(name: str, version: int, yardstick: Yardstick) -> float:
     """Bits per byte of a registered version on `yardstick`, under the version's own tokenizer and own code."""
-    from ultrathink.text_eval import resolve_model_files
+    from ultrathink.registry.models import resolve_model_files
 
     return yardstick.score(resolve_model_files(f"models:/{name}/{version}"))
 

@@ -54,7 +54,8 @@ def generation_defaults(eval_cfg: EvaluateConfig) -> dict:
 
 
 def signature(eval_cfg: EvaluateConfig) -> ModelSignature:
-    """Prompts in, texts out; declaring the params lets callers pass `params={"temperature": 0}` to predict.
+    """Prompts in, texts out; declaring the params lets callers pass `params={"temperature": 0}` to predict (and
+    `{"device": "cpu"}`: see pyfunc_model for where the model runs).
 
     The input column is unnamed on purpose: MLflow then accepts a list of str, a str, or a one-column DataFrame
     (a named `prompt` column would make it reject plain lists) and hands predict a DataFrame.
@@ -66,6 +67,7 @@ def signature(eval_cfg: EvaluateConfig) -> ModelSignature:
         ParamSpec("top_k", "long", defaults["top_k"]),
         ParamSpec("top_p", "double", float(defaults["top_p"])),
         ParamSpec("seed", "long", defaults["seed"]),
+        ParamSpec("device", "string", "auto"),  # "cpu", "cuda:1", ...; auto keeps where loading put it
     ])
     return ModelSignature(inputs=Schema([ColSpec("string")]),
                           outputs=Schema([ColSpec("string")]), params=params)

@@ -29,6 +29,7 @@ from mlflow.entities import LifecycleStage, Metric
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from ultrathink.config import PathsConfig, TrainConfig
 from ultrathink.errors import StageError
 from ultrathink.io import atomic_write_json
 
@@ -257,3 +258,19 @@ class MetricSinks:
     def flush(self) -> None:
         for sink in self.sinks:
             sink.flush()
+
+
+def flat_keys(prefix: str, value) -> dict[str, object]:
+    """{'a': {'b': 1}} → {'prefix.a.b': 1}: MLflow keys for nested sections and reports."""
+    if isinstance(value, dict):
+        return {k: v for key, sub in value.items() for k, v in flat_keys(f"{prefix}.{key}", sub).items()}
+    return {prefix: value}
+
+
+def metric_sinks(train: TrainConfig, paths: PathsConfig, run_id: str) -> MetricSinks:
+    """Every step's metrics to the MLflow run (in batches, every train.log_every steps), and to TensorBoard
+    (paths.tensorboard_dir/<run id>) when train.tensorboard is on."""
+    sinks = [StepMetrics(train.log_every)]
+    if train.tensorboard:
+        sinks.append(TensorBoardScalars(Path(paths.tensorboard_dir) / run_id))
+    return MetricSinks(*sinks)

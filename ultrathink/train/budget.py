@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ultrathink.config import Budget
+from ultrathink.device import is_cuda
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class Probe:
 def _timed(fn, device: str) -> float:
     started = time.perf_counter()
     fn()
-    if device.startswith("cuda"):
+    if is_cuda(device):
         torch.cuda.synchronize(device)
     return time.perf_counter() - started
 
@@ -83,7 +84,7 @@ def probe_shape(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens,
     from ultrathink.train.trainer import Trainer
 
     started = time.perf_counter()
-    devices = [torch.device(device).index or 0] if device.startswith("cuda") else []
+    devices = [torch.device(device).index or 0] if is_cuda(device) else []
     with torch.random.fork_rng(devices=devices), tempfile.TemporaryDirectory(prefix="ultrathink-probe-") as tmp:
         torch.manual_seed(train_cfg.seed)
         cfg = train_cfg.model_copy(update={"max_steps": 10**9, "warmup_steps": 1,

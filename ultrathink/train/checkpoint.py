@@ -47,6 +47,7 @@ STATE_FILE = "state.pt"
 SHARDS_DIR = "deepspeed"
 BEST = "best"
 PARTIAL = ".partial"  # suffix of a checkpoint being written
+REPLACED = ".replaced"  # suffix of a checkpoint being replaced by a newer one of the same name (best/)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -140,9 +141,12 @@ class CheckpointManager:
                     "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
+        replaced = _replaced(final)
+        if final.exists():  # best/ again: the old one stays, renamed, until the new one is in place
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(final, replaced)
         os.replace(tmp, final)
+        shutil.rmtree(replaced, ignore_errors=True)
         self.mark_used()
         self._prune()
         self._prune_configs()
@@ -211,10 +215,23 @@ class CheckpointManager:
         return None
 
     def best(self) -> Checkpoint | None:
-        path = self.directory / BEST
-        if not path.exists() or _verify(path) is not None:
+        """The checkpoint with the lowest validation loss so far. A run killed while replacing it left the
+        previous best under its replaced name: that one is put back. An unusable best is reported, not hidden."""
+        path, replaced = self.directory / BEST, _replaced(self.directory / BEST)
+        if not path.exists() and replaced.exists():
+            os.replace(replaced, path)
+            log.warning("%s was being replaced when a run stopped: the previous best is restored", path)
+        if not path.exists():
+            return None
+        problem = _verify(path)
+        if problem is not None:
+            log.warning("the best checkpoint %s is unusable (%s): it is not selected", path, problem)
             return None
         return _checkpoint(path)
+
+
+def _replaced(path: Path) -> Path:
+    return path.parent / f".{path.name}{REPLACED}"
 
 
 def is_checkpoint(path: Path) -> bool:

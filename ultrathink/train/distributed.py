@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -192,6 +195,28 @@ class Distributed:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def finish(self) -> None:
+        """End a run whose every rank has finished (call after the last barrier). One process: close the process
+        group and return. Several: close it and end this process at once with exit code 0 (leave_at_once)."""
+        self.close()
+        if self.world_size > 1:
+            leave_at_once()
+
+
+def leave_at_once() -> NoReturn:
+    """End a worker of a multi-process run once every rank has finished and its outputs are written: our log
+    handlers and the standard streams are flushed, then the process exits with code 0 without running the
+    interpreter's teardown. That teardown (DeepSpeed's and the process groups' destructors, at interpreter exit)
+    aborted a ZeRO-3 worker now and then ("terminate called without an active exception", about 1 run in 4 on 2
+    gloo ranks on CPU), failing a run whose outputs were complete; it happens in native destructors after our
+    code has returned, so there is nothing of ours to fix there. The operating system releases the sockets and
+    memory as well (tests/test_leave_at_once.py: leave_at_once keeps the output and the exit code even when a
+    teardown hook would abort)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def as_float(norm: torch.Tensor) -> float:

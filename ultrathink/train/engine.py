@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from ultrathink.config import TrainConfig
+from ultrathink.device import device_type
 from ultrathink.train.distributed import Distributed, as_float
 from ultrathink.train.optim import build_optimizers
 from ultrathink.train.precision import resolve_precision
@@ -24,14 +25,12 @@ from ultrathink.train.precision import resolve_precision
 
 def autocast_dtype(precision: str, device: str = "cpu") -> torch.dtype | None:
     """The dtype autocast runs in for train.precision on this device; None for fp32 (no autocast)."""
-    kind = device.split(":")[0]
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(resolve_precision(precision, kind))
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(resolve_precision(precision, device_type(device)))
 
 
 def autocast(precision: str, device: str = "cpu"):
-    kind = device.split(":")[0]
     dtype = autocast_dtype(precision, device)
-    return torch.autocast(device_type=kind, dtype=dtype) if dtype else contextlib.nullcontext()
+    return torch.autocast(device_type=device_type(device), dtype=dtype) if dtype else contextlib.nullcontext()
 
 
 class Engine(Protocol):

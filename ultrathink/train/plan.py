@@ -27,10 +27,12 @@ import torch
 from filelock import FileLock
 
 from ultrathink.config import Budget
+from ultrathink.device import is_cuda
 from ultrathink.hashing import json_hash
 from ultrathink.io import atomic_write_json
 from ultrathink.model.kernels import AttentionKernel, choose_attention, fixed_kernel, label
 from ultrathink.train.budget import Probe, compile_pays, probe_shape, steps_for, warmup_for
+from ultrathink.train.sizing import Sizing
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +69,7 @@ def machine_class(device: str) -> str:
     """`cpu/AuthenticAMD/avx512_bf16/2 threads/torch 2.13` or `cuda/NVIDIA H100 80GB HBM3/torch 2.13`: machines of
     one class compute the same bits from the same plan."""
     version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-    if device.startswith("cuda"):
+    if is_cuda(device):
         return f"cuda/{torch.cuda.get_device_name(device)}/torch {version}/cuda {torch.version.cuda}"
     vendor, flags = _cpu_flags()
     return f"cpu/{vendor}/{cpu_isa(flags)}/{torch.get_num_threads()} threads/torch {version}"
@@ -131,7 +133,6 @@ class Plan:
 def apply_plan(plan: Plan, model_cfg, train_cfg):
     """The model and train configs a plan resolved: shape and batch, steps, warmup, compile and precision."""
     if plan.sizing:
-        from ultrathink.train.sizing import Sizing
 
         model_cfg, train_cfg = _sized(model_cfg, train_cfg, Sizing.from_dict(plan.sizing))
     return model_cfg, train_cfg.model_copy(update={"max_steps": plan.max_steps, "warmup_steps": plan.warmup_steps,
@@ -221,7 +222,7 @@ def decide_precision(requested: str, device: str, gflops: dict[str, float] | Non
     without native bf16 they are ~40× slower)."""
     if requested != "auto":
         return requested
-    if device.startswith("cuda"):
+    if is_cuda(device):
         return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
     return "bf16" if gflops["bf16"] >= BF16_MIN_GAIN * gflops["fp32"] else "fp32"
 
@@ -229,7 +230,7 @@ def decide_precision(requested: str, device: str, gflops: dict[str, float] | Non
 def peak_for(precision: str, device: str, gflops: dict[str, float] | None) -> float | None:
     """FLOP/s of the device in `precision`: the denominator of MFU. A CPU's is its measured matmul peak (recorded
     with the plan); a GPU's, its datasheet figure (precision.peak_flops)."""
-    if device.startswith("cuda") or not gflops or precision not in gflops:
+    if is_cuda(device) or not gflops or precision not in gflops:
         from ultrathink.train.precision import peak_flops
 
         return peak_flops(precision, device)
@@ -257,6 +258,25 @@ class Decided:
     peak_flops: float | None
     key: str  # the configuration's key in the book
 
+    def describe(self) -> str:
+        """One line on the plan: where it came from, what it decided, what a budget bought (and, under model.size auto,
+        the shape chosen and why)."""
+        plan = self.plan
+        origin = "measured on" if self.measured else "recorded for"
+        line = (f"plan: {plan.precision}, attention {label(plan.kernel)}"
+                f"{', compiled' if plan.compile else ''}, {plan.max_steps} steps "
+                f"({plan.max_steps * plan.tokens_per_step:,} tokens)")
+        if plan.budget:
+            line += f" for budget {plan.budget}"
+        if plan.probe:
+            line += (f", at {plan.probe.step_seconds * 1e3:.0f} ms/step measured (probe {plan.probe.seconds:.1f} s, "
+                     f"validation {plan.probe.eval_seconds:.2f} s)")
+        if plan.replans:
+            line += f", re-planned while training: {', '.join(f'step {s} → {n}' for s, n in plan.replans)}"
+        if plan.sizing:
+            line += "; " + Sizing.from_dict(plan.sizing).explain()
+        return f"{line} ({origin} {plan.machine})"
+
 
 def plan_run(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, device: str, world_size: int = 1,
              book: PlanBook | None = None) -> Decided:
@@ -264,7 +284,7 @@ def plan_run(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, de
     (measuring what must be measured) and record it there. Without a book (a probe, a benchmark) it decides."""
     machine = machine_class(device)
     key = configuration_key(model_cfg, train_cfg, vocab_size, len(train_tokens), len(val_tokens), world_size)
-    gflops = cpu_matmul_gflops(book, machine, device) if not device.startswith("cuda") else None
+    gflops = cpu_matmul_gflops(book, machine, device) if not is_cuda(device) else None
     recorded = book.plan(machine, key) if book else None
     others = book.others(machine, key) if book else {}
     if recorded is not None:

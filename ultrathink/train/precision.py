@@ -11,16 +11,18 @@ import time
 
 import torch
 
+from ultrathink.device import DeviceLike, device_type, is_cuda
+
 log = logging.getLogger(__name__)
 
 
-def matmul_gflops(dtype: torch.dtype, size: int = 512, repeats: int = 3, device: str = "cpu") -> float:
+def matmul_gflops(dtype: torch.dtype, size: int = 512, repeats: int = 3, device: DeviceLike = "cpu") -> float:
     """Measured dense matmul throughput on `device` (on a CPU, for the threads torch uses): the fastest of `repeats`
     timed matmuls, since a peak is what the machine can do, and a shared machine's stalls only ever slow a run down."""
     # A private generator: drawing from the global one would shift dropout masks and break exact resume.
     generator = torch.Generator(device=device).manual_seed(0)
     a, b = (torch.randn(size, size, generator=generator, device=device).to(dtype) for _ in range(2))
-    cuda = torch.device(device).type == "cuda"
+    cuda = is_cuda(device)
 
     def sync() -> None:  # GPU kernels run asynchronously: time them from an idle device to a finished one
         if cuda:
@@ -38,13 +40,13 @@ def matmul_gflops(dtype: torch.dtype, size: int = 512, repeats: int = 3, device:
 
 
 @functools.lru_cache(maxsize=None)
-def resolve_precision(requested: str, device: str = "cpu") -> str:
-    """'fp32', 'bf16' or 'fp16'. `auto` picks bf16 on a GPU that supports it, and on a CPU only where it measures
-    faster. fp16 is for GPUs without bf16 and always comes with loss scaling (a gradient scaler), on a CPU too, where
-    it runs but is seldom faster than bf16."""
+def resolve_precision(requested: str, device: DeviceLike = "cpu") -> str:
+    """'fp32', 'bf16' or 'fp16'. `auto` picks bf16 on a GPU that supports it ("cuda", "cuda:1", torch.device("cuda")
+    alike), and on a CPU only where it measures faster. fp16 is for GPUs without bf16 and always comes with loss
+    scaling (a gradient scaler), on a CPU too, where it runs but is seldom faster than bf16."""
     if requested != "auto":
         return requested
-    if device == "cuda":
+    if is_cuda(device):
         return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
     fp32, bf16 = matmul_gflops(torch.float32), matmul_gflops(torch.bfloat16)
     choice = "bf16" if bf16 > 1.2 * fp32 else "fp32"
@@ -97,14 +99,14 @@ def table_peak(name: str, precision: str) -> float | None:
 
 
 @functools.lru_cache(maxsize=None)
-def peak_flops(precision: str, device: str = "cpu") -> float | None:
+def peak_flops(precision: str, device: DeviceLike = "cpu") -> float | None:
     """FLOP/s this device can do in `precision`, the denominator of MFU; None where it cannot be known, and then MFU
     is left out. A GPU in GPU_PEAK_FLOPS gets its datasheet peak; any other accelerator, and a CPU, a short measured
     matmul. MFU is a log figure, so this never raises: a failure is one warning (cached, so once per precision and
     device) and None."""
     try:
-        precision = resolve_precision(precision, device.split(":")[0])
-        name = torch.cuda.get_device_name(device) if device.startswith("cuda") else None
+        precision = resolve_precision(precision, device_type(device))
+        name = torch.cuda.get_device_name(device) if is_cuda(device) else None
     except Exception as error:  # whatever went wrong, it must not stop a run
         log.warning("no peak FLOP/s for %s in %s (%s): MFU is left out", device, precision, error)
         return None

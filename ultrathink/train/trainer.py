@@ -7,7 +7,7 @@ import contextlib
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Protocol
 
 import numpy as np
@@ -17,6 +17,7 @@ from tqdm import tqdm
 from ultrathink import scoring
 from ultrathink.model import routing
 from ultrathink.config import TrainConfig
+from ultrathink.device import is_cuda
 from ultrathink.errors import StageError
 from ultrathink.train.checkpoint import CheckpointManager
 from ultrathink.train.distributed import Distributed
@@ -73,6 +74,29 @@ class Deadline:
     on_replan: Callable[[int, int], None] = lambda step, max_steps: None
 
 
+@dataclass
+class Counters:
+    """The guard's and early stopping's counts: part of a checkpoint's state, so a resumed run makes the same
+    decisions (an early-stopped run stays stopped)."""
+    skipped: int = 0  # steps skipped for a non-finite loss or gradient
+    bad_in_a_row: int = 0
+    evals_without_gain: int = 0
+    best_val: float = math.inf
+    stopped_early: bool = False
+
+
+def ready_model(model: torch.nn.Module, cfg: TrainConfig, attention: AttentionKernel | None,
+                dist: Distributed) -> torch.nn.Module:
+    """Make `model` ready for a Trainer, in the open: on the run's device, with the attention kernel the plan chose
+    (default: the one train.attention names) and train.gradient_checkpointing; then seed this rank's generator
+    (the model was initialised identically on every rank; from here each rank draws its own dropout masks)."""
+    model.to(dist.device)
+    model.checkpoint_blocks = cfg.gradient_checkpointing
+    model.use_attention(attention or fixed_kernel(cfg.attention))
+    torch.manual_seed(cfg.seed + dist.rank)
+    return model
+
+
 REPLAN_FIRST = 10  # steps before the first revision: the first steps pay kernel set-up
 
 
@@ -86,31 +110,35 @@ class Trainer:
         state_dict; `val_data` is the val split's tokens or anything with `eval_batches(batch_size, max_batches)`.
         `attention`: the kernel the plan chose (plan.py); default: the one train.attention names, or torch's own.
         `peak_flops`: the device's FLOP/s in this precision, for MFU (default: precision.peak_flops).
-        `deadline`: a time budget's end, when this run measured the plan."""
+        `deadline`: a time budget's end, when this run measured the plan.
+
+        The model must already be on the run's device (`dist.device`): the trainer does not move it, seed the
+        random generators or change settings of the model behind the caller's back — `ready_model` does those,
+        in the open. The engine it builds wraps the model for the backend (DDP, FSDP, DeepSpeed)."""
+        self.dist = dist or Distributed()
+        on = {p.device for p in model.parameters()}
+        if on != {torch.device(self.dist.device)}:
+            raise ValueError(f"the model's weights are on {', '.join(sorted(map(str, on)))}, the run's device is "
+                             f"{self.dist.device}: move it first (trainer.ready_model)")
         self.model, self.loader, self.cfg = model, train_loader, cfg
         self.deadline, self.peak_flops = deadline, peak_flops
         self.val_data = val_data if hasattr(val_data, "eval_batches") else TokenStreamEval(val_data, train_loader.seq_len)
         self.checkpoints = checkpoints
         self.log_metrics = log_metrics or (lambda metrics, step: None)
-        self.dist = dist or Distributed()
-        model.to(self.dist.device)
-        # The model was initialised identically on every rank; from here each rank draws its own dropout masks.
-        torch.manual_seed(cfg.seed + self.dist.rank)
-        model.checkpoint_blocks = cfg.gradient_checkpointing
         self.attention = attention or fixed_kernel(cfg.attention)
-        model.use_attention(self.attention)
+        if model.attention_kernel() != self.attention or model.checkpoint_blocks != cfg.gradient_checkpointing:
+            raise ValueError(f"the model runs attention {model.attention_kernel()} and gradient checkpointing "
+                             f"{model.checkpoint_blocks}; this run's are {self.attention} and "
+                             f"{cfg.gradient_checkpointing}: set them first (trainer.ready_model)")
         # Counted before the backend wraps or shards the model (ZeRO-3 leaves each rank a slice of every tensor).
         self.flops_per_token = model.flops_per_token()
-        # `engine` takes the steps (through the model, its DDP/FSDP wrapper or DeepSpeed); `model` is what is
-        # evaluated and saved.
+        # `engine` takes the steps (through the model, its DDP/FSDP wrapper or DeepSpeed: engine.module); `model`,
+        # the same parameters unwrapped, is what is evaluated and saved.
         self.engine = build_engine(model, cfg, self.dist)
         self.scheduler = Scheduler(self.engine.optimizers, cfg)
         self.step = 0
         self.history: list[dict[str, float]] = []
-        # Guard and early-stopping counters are part of the state: a resumed run must make the same decisions
-        # (an early-stopped run stays stopped).
-        self.counters = {"skipped": 0, "bad_in_a_row": 0, "evals_without_gain": 0, "best_val": math.inf,
-                         "stopped_early": False}
+        self.counters = Counters()
         self.tokens_per_step = cfg.batch_size * cfg.grad_accum * train_loader.seq_len * self.dist.world_size
 
     # ---- checkpoint state -------------------------------------------------------------------------------------
@@ -122,7 +150,7 @@ class Trainer:
             "loader": self.loader.state_dict(),
             "rng": self.dist.gather_rng_states(),  # every rank's CPU and CUDA generators (collective)
             "history": self.history,
-            "counters": dict(self.counters),
+            "counters": asdict(self.counters),
             "attention": self.attention.to_dict(),  # a resumed run computes with the same kernel
         }
 
@@ -149,7 +177,7 @@ class Trainer:
             log.warning("%s was written by %d ranks, this run has %d: random generators are seeded afresh per "
                         "rank (dropout masks differ from an uninterrupted run)", latest.path, len(state["rng"]),
                         self.dist.world_size)
-        self.counters.update(state["counters"])
+        self.counters = Counters(**state["counters"])
         if "attention" in state:
             self.attention = AttentionKernel(**state["attention"])
             self.model.use_attention(self.attention)
@@ -195,20 +223,20 @@ class Trainer:
         if not applied:
             self._count_bad_step(total, grad_norm)
             return None
-        self.counters["bad_in_a_row"] = 0
+        self.counters.bad_in_a_row = 0
         self.scheduler.step()
         self.model.update_routing(stats)
         self.step += 1
         return total, grad_norm, self.model.routing_metrics(stats)
 
     def _count_bad_step(self, loss: float, grad_norm: float) -> None:
-        self.counters["skipped"] += 1
-        self.counters["bad_in_a_row"] += 1
+        self.counters.skipped += 1
+        self.counters.bad_in_a_row += 1
         log.warning("step %d: non-finite loss %s or gradient norm %s; update skipped (%d in a row)",
-                    self.step + 1, loss, grad_norm, self.counters["bad_in_a_row"])
-        if self.counters["bad_in_a_row"] >= self.cfg.max_bad_steps:
+                    self.step + 1, loss, grad_norm, self.counters.bad_in_a_row)
+        if self.counters.bad_in_a_row >= self.cfg.max_bad_steps:
             raise NonFiniteLossError(
-                f"{self.counters['bad_in_a_row']} consecutive steps with a non-finite loss or gradient at step "
+                f"{self.counters.bad_in_a_row} consecutive steps with a non-finite loss or gradient at step "
                 f"{self.step + 1} (train.max_bad_steps={self.cfg.max_bad_steps}); lower train.lr or check the data. "
                 f"The last good checkpoint is kept in {self.checkpoints.directory}")
 
@@ -228,27 +256,26 @@ class Trainer:
         batches = self.val_data.eval_batches(self.cfg.batch_size, self.cfg.eval_batches)
         return mean_loss(self.model, batches, self.cfg.precision)[0]
 
-    def _track_best(self, val_loss: float) -> bool:
-        """Keep the best checkpoint apart from the last N; True when patience has run out."""
-        if val_loss < self.counters["best_val"]:
-            self.counters["best_val"], self.counters["evals_without_gain"] = val_loss, 0
-            self._save(name="best")
-            return False
-        self.counters["evals_without_gain"] += 1
+    def _count_validation(self, val_loss: float) -> bool:
+        """Count a validation pass toward early stopping; True when it is the best so far."""
+        if val_loss < self.counters.best_val:
+            self.counters.best_val, self.counters.evals_without_gain = val_loss, 0
+            return True
+        self.counters.evals_without_gain += 1
         patience = self.cfg.early_stopping_patience
-        self.counters["stopped_early"] = patience is not None and self.counters["evals_without_gain"] >= patience
-        return self.counters["stopped_early"]
+        self.counters.stopped_early = patience is not None and self.counters.evals_without_gain >= patience
+        return False
 
     def fit(self) -> TrainResult:
         """Train up to cfg.max_steps from the current step (call resume() first to continue a checkpoint)."""
-        first_step, stop = self.step, bool(self.counters["stopped_early"])
+        first_step, stop = self.step, bool(self.counters.stopped_early)
         started, window_start, window_steps = time.perf_counter(), time.perf_counter(), 0
         bar = tqdm(total=self.cfg.max_steps, initial=self.step, desc="train", unit="step",
                    disable=None if self.dist.is_main else True, leave=False)
         peak = self.peak_flops or peak_flops(self.cfg.precision, self.dist.device)  # None: MFU is left out
         if peak and self.dist.is_main:
             log.info("mfu: model FLOPs per second over %s of %.0f GFLOP/s per rank (%s)",
-                     "the datasheet peak" if self.dist.kind == "cuda" else "the measured matmul peak", peak / 1e9,
+                     "the datasheet peak" if is_cuda(self.dist.device) else "the measured matmul peak", peak / 1e9,
                      self.cfg.precision)
         pace = Pace(started)
         while self.step < self.cfg.max_steps and not stop:
@@ -260,7 +287,7 @@ class Trainer:
             window_steps += 1
             bar.update(1)
             record = {"train_loss": loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                      "skipped_steps": float(self.counters["skipped"]), **routing_figures}
+                      "skipped_steps": float(self.counters.skipped), **routing_figures}
             last = self.step == cfg.max_steps
             if self.step % cfg.log_every == 0 or last:
                 elapsed = time.perf_counter() - window_start
@@ -271,7 +298,9 @@ class Trainer:
             if self.step % cfg.eval_every == 0 or last:
                 with pace.aside("eval"):
                     record["val_loss"] = self.validate()
-                    stop = self._track_best(record["val_loss"])
+                    if self._count_validation(record["val_loss"]):
+                        self._save(name="best")  # kept apart from the last N checkpoints
+                    stop = self.counters.stopped_early
             if self.dist.is_main:
                 self.log_metrics(record, self.step)  # every step to the tracker; console and history less often
             if "tokens_per_second" in record or "val_loss" in record:
@@ -287,14 +316,14 @@ class Trainer:
         bar.close()
         if stop:
             log.warning("early stop at step %d: no val gain in %d validations (best val %.4f)",
-                        self.step, self.cfg.early_stopping_patience, self.counters["best_val"])
+                        self.step, self.cfg.early_stopping_patience, self.counters.best_val)
         selected = self._select_weights()
         seconds = time.perf_counter() - started
         trained = self.step - first_step
-        best = self.counters["best_val"]
+        best = self.counters.best_val
         return TrainResult(self.step, first_step or None, self.history, seconds,
                            trained * self.tokens_per_step / seconds if seconds else 0.0,
-                           self.counters["skipped"], best if math.isfinite(best) else None, stop, selected)
+                           self.counters.skipped, best if math.isfinite(best) else None, stop, selected)
 
     def _replan(self, pace: "Pace", first_step: int) -> bool:
         """A time budget's revision of max_steps (see Deadline), at step REPLAN_FIRST and every tenth of the run,
@@ -345,7 +374,7 @@ class Trainer:
         if best is None or best.step == self.step:
             return self.step
         log.warning("train.select=best: the model is step %d's (val %.4f), not the last step %d's",
-                    best.step, self.counters["best_val"], self.step)
+                    best.step, self.counters.best_val, self.step)
         self.engine.load_weights(best.load_weights())
         return best.step
 

@@ -62,15 +62,16 @@ def prompt_text(tokenizer, messages: list[dict]) -> str:
 
 
 def stream_reply(model, tokenizer, messages: list[dict], max_new_tokens: int, temperature: float,
-                 top_k: int | None, seed: int, top_p: float | None = None) -> Iterator[str]:
-    """The assistant's next turn, piece by piece, ending at the EOS that closes it."""
+                 top_k: int | None, seed: int, top_p: float | None = None, device=None) -> Iterator[str]:
+    """The assistant's next turn, piece by piece, ending at the EOS that closes it; generated on `device` (the model
+    is moved there) or, when None, on the model's device."""
     return stream_text(model, tokenizer, prompt_text(tokenizer, messages), max_new_tokens, temperature, top_k, seed,
-                       top_p)
+                       top_p, device)
 
 
 def reply(model, tokenizer, messages: list[dict], max_new_tokens: int, temperature: float, top_k: int | None,
-          seed: int, top_p: float | None = None) -> str:
-    return "".join(stream_reply(model, tokenizer, messages, max_new_tokens, temperature, top_k, seed, top_p))
+          seed: int, top_p: float | None = None, device=None) -> str:
+    return "".join(stream_reply(model, tokenizer, messages, max_new_tokens, temperature, top_k, seed, top_p, device))
 
 
 def user(content: str) -> dict:

@@ -1,0 +1,128 @@
+"""The layers import downwards only: stages (tasks/) are thin entry points that import the library and never each
+other, the library never imports tasks/ or flows/ (the CLI alone runs the flow), and the library's modules form no
+import cycle, function-level imports included (such an import hides a cycle; it does not remove it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ultrathink.lineage import PROJECT_ROOT, imported_names, module_source
+
+PACKAGES = ("ultrathink", "tasks", "flows")
+
+
+def project_modules(root: Path = PROJECT_ROOT) -> dict[str, Path]:
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def import_graph(root: Path = PROJECT_ROOT) -> dict[str, set[str]]:
+    """Module → the project modules it imports anywhere in its source (`from a import b` counts as a.b when b is a
+    module, else as a)."""
+    modules = project_modules(root)
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for imported in imported_names(name, path):
+            target = imported if imported in modules else imported.rpartition(".")[0]
+            if target in modules and target != name:
+                edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def library_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The library's own edges; a package's __init__ re-exporting its submodules is not a dependency of them."""
+    def is_reexport(source: str, target: str) -> bool:
+        return target.startswith(source + ".")
+    return {m: {t for t in edges if t.startswith("ultrathink") and not is_reexport(m, t)}
+            for m, edges in graph.items() if m.startswith("ultrathink")}
+
+
+def test_the_library_never_imports_stages_or_flows():
+    graph = import_graph()
+    wrong = {m: sorted(t for t in edges if t.split(".")[0] in ("tasks", "flows"))
+             for m, edges in graph.items() if m.startswith("ultrathink") and m != "ultrathink.cli"}
+    assert {m: t for m, t in wrong.items() if t} == {}
+    cli = {t for t in graph["ultrathink.cli"] if t.split(".")[0] == "tasks"}
+    assert cli == set(), "the CLI runs stages through ultrathink.stages, not tasks/"
+
+
+def test_stages_do_not_import_each_other():
+    graph = import_graph()
+    crossing = {m: sorted(t for t in edges if t.startswith("tasks.") and t != m)
+                for m, edges in graph.items() if m.startswith("tasks.")}
+    assert {m: t for m, t in crossing.items() if t} == {}
+
+
+def test_the_library_has_no_import_cycle():
+    assert cycles(library_graph(import_graph())) == []
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The library's subpackages (ultrathink.train, ultrathink.registry, ...; a top-level module stands for itself)
+    and which of them import which."""
+    def unit(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+    edges: dict[str, set[str]] = {}
+    for module, targets in library_graph(graph).items():
+        edges.setdefault(unit(module), set()).update(unit(t) for t in targets if unit(t) != unit(module))
+    return edges
+
+
+def test_the_library_packages_have_no_import_cycle():
+    """Layers, not only modules: e.g. the registry may use scoring and the model, but scoring, the model and
+    fine-tuning must not reach back into the registry when the registry reaches into them."""
+    assert cycles(package_graph(import_graph())) == []
+
+
+def test_a_cycle_is_found_when_there_is_one(tmp_path):
+    """The check can fail: a function-level import back from a module its importer needs is a cycle."""
+    package = tmp_path / "ultrathink"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from ultrathink.b import g\n\ndef f():\n    return g()\n")
+    (package / "b.py").write_text("def g():\n    from ultrathink.a import f\n    return f\n")
+    (package / "c.py").write_text("import ultrathink.a\n")
+    for other in ("tasks", "flows"):
+        (tmp_path / other).mkdir()
+    assert cycles(library_graph(import_graph(tmp_path))) == [["ultrathink.a", "ultrathink.b"]]
+    assert cycles(package_graph(import_graph(tmp_path))) == [["ultrathink.a", "ultrathink.b"]]  # each its own unit
+    (package / "b.py").write_text("def g():\n    return 1\n")
+    assert cycles(library_graph(import_graph(tmp_path))) == []

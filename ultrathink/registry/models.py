@@ -1,0 +1,101 @@
+"""Naming a model: a model directory (artifacts/model, a dir holding model/ and tokenizer/) or an MLflow model URI
+(models:/NAME@ALIAS, models:/NAME/N, runs:/ID/model, downloaded from the project's store) → its files. Every place
+a model is named (the CLI's --model, train.init_from, finetune.init_from, the champion's re-scoring) resolves here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from ultrathink.data.sources import split_documents
+from ultrathink.device import DeviceLike
+from ultrathink.errors import StageError
+from ultrathink.model.model import CONFIG_FILE
+from ultrathink.registry.tracking import pin_model_uri, use_tracking
+from ultrathink.scoring import TextScore
+from ultrathink.text_eval import ModelFiles, score_model
+
+
+class ModelNotFoundError(StageError):
+    """The --model argument names no model directory or MLflow model; the message says what was looked for."""
+
+
+
+def is_mlflow_uri(ref: str) -> bool:
+    return "://" in ref or ref.startswith(("models:/", "runs:/"))
+
+
+def resolve_model(ref: str, root: Path = Path(".")) -> tuple[Path, Path]:
+    """(model dir, tokenizer dir) for a directory or an MLflow model URI (downloaded from the project's store)."""
+    files = resolve_model_files(ref, root)
+    return files.model_dir, files.tokenizer_dir
+
+
+def resolve_model_files(ref: str, root: Path = Path(".")) -> ModelFiles:
+    if is_mlflow_uri(ref):
+        return _from_mlflow(ref, root)
+    path = Path(ref)
+    for model_dir, tokenizer_dir in ((path, path.parent / "tokenizer"), (path / "model", path / "tokenizer"),
+                                     (path / "artifacts" / "model", path / "artifacts" / "tokenizer")):
+        if (model_dir / CONFIG_FILE).is_file() and (tokenizer_dir / "tokenizer.json").is_file():
+            return ModelFiles(model_dir, tokenizer_dir)
+    raise ModelNotFoundError(
+        f"{ref}: not a model: expected a model dir ({CONFIG_FILE} + model.safetensors) with a sibling tokenizer/ "
+        "dir (artifacts/model), a dir holding model/ and tokenizer/, or an MLflow URI such as models:/ultrathink@champion")
+
+
+def _from_mlflow(uri: str, root: Path) -> ModelFiles:
+    """Download the pyfunc model's files (to MLflow's temp dir) and point at its artifacts and code snapshot."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    store = use_tracking(root)
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri))
+    except MlflowException as exc:
+        raise ModelNotFoundError(f"{uri}: cannot be loaded from the MLflow store {store}: {exc.message}") from None
+    # The pyfunc's MLmodel maps each artifact key to where MLflow stored it (named after the logged folder).
+    mlmodel = yaml.safe_load((local / "MLmodel").read_text()) if (local / "MLmodel").is_file() else {}
+    flavor = mlmodel.get("flavors", {}).get("python_function", {}) or {}
+    artifacts = flavor.get("artifacts") or {}
+    if "model" not in artifacts or "tokenizer" not in artifacts:
+        raise ModelNotFoundError(f"{uri}: not an UltraThink model (its MLmodel names no model and tokenizer artifacts)")
+    code = local / flavor["code"] if flavor.get("code") else None
+    return ModelFiles(local / artifacts["model"]["path"], local / artifacts["tokenizer"]["path"],
+                      code if code is not None and (code / "ultrathink").is_dir() else None)
+
+
+@dataclass(frozen=True)
+class NamedModel:
+    """A model as a setting named it (`ref`), the exact version that was (`pinned`: an alias resolved to the
+    version it names now, which is what lineage records; a directory as given), and its files."""
+    ref: str
+    pinned: str
+    files: ModelFiles
+
+
+def resolve_named_model(ref: str, root: Path = Path(".")) -> NamedModel:
+    """train.init_from / finetune.init_from → the model's files, an MLflow alias pinned first."""
+    pinned = pin_model_uri(ref, root) if is_mlflow_uri(ref) else ref
+    return NamedModel(ref, pinned, resolve_model_files(pinned, root))
+
+
+def evaluate_text_file(model_ref: str, text_file: Path, unit: str = "paragraph", root: Path = Path("."),
+                       device: DeviceLike | None = None) -> TextScore:
+    """`ultrathink eval`: score the UTF-8 text of `text_file` under the model named by `model_ref` (a directory or an
+    MLflow URI), split into
+    documents as the data loader splits a .txt source (`unit`: paragraph, line or file; data.txt_unit), on
+    `device` (None or "auto": the GPU when there is one)."""
+    text_file = Path(text_file)
+    if not text_file.is_file():
+        raise StageError(f"text file not found: {text_file}")
+    try:
+        text = text_file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise StageError(f"{text_file}: not valid UTF-8 at byte {exc.start}: {exc.reason}") from None
+    documents = split_documents(text, unit)
+    if not documents:
+        raise StageError(f"{text_file}: no text: there is nothing to score")
+    return score_model(resolve_model_files(model_ref, root), documents, device=device)

@@ -1,0 +1,112 @@
+"""finetune: supervised fine-tuning of the pretrained model on prompt/response pairs (finetune.enabled).
+
+Reads the pairs (finetune.data), gates them with their own Great Expectations suite, holds some out, trains LoRA
+adapters (or every weight) on the answer tokens only, merges the adapters, and writes paths.finetuned_dir: model/
+(plain UltraThink weights), tokenizer/ (the base tokenizer with the chat template), heldout.jsonl (the held-out
+chats: promote_finetuned's yardstick) and finetune.json (what was done). The report (paths.finetune_report) has the
+gate's results, the answer-only loss and bits per byte on the held-out chats before and after, and sample answers.
+Off, the stage writes a finetune.json that says so (and an empty plan book, paths.finetune_plan, if there is none),
+so the pipeline's DAG stays one for both."""
+
+import logging
+import time
+from pathlib import Path
+
+from ultrathink.config import Params
+from ultrathink.finetune.outputs import HELDOUT_FILE, STATUS_FILE
+from ultrathink.io import atomic_dir, atomic_write_json, atomic_write_text
+
+log = logging.getLogger(__name__)
+
+
+
+def run(params: Params) -> None:
+    if not params.finetune.enabled:
+        with atomic_dir(params.paths.finetuned_dir) as out:
+            atomic_write_json(out / STATUS_FILE, {"enabled": False})
+        atomic_write_json(params.paths.finetune_report, {"enabled": False})
+        if not Path(params.paths.finetune_plan).exists():  # an output of the stage: an empty book until it trains
+            atomic_write_json(params.paths.finetune_plan, {})
+        print("finetune: off (finetune.enabled: false)")
+        return
+    finetune(params)
+
+
+def finetune(params: Params) -> None:
+    import mlflow
+
+    from ultrathink.data.validation import CorpusValidationError, validate_pairs
+    from ultrathink.model.chat import chat_tokenizer
+    from ultrathink.finetune.lora import trainable_share
+    from ultrathink.finetune.pairs import chats_jsonl, load_pairs, split_pairs
+    from ultrathink.finetune.sft import build, resolve_base, sample_answers, score
+    from ultrathink.lineage import git_commit
+    from ultrathink.model import UltraThink
+    from ultrathink.train.distributed import Distributed
+    from ultrathink.device import resolve_device
+    from ultrathink.registry.tracking import flat_keys, load_run_id, metric_sinks, save_run_id, start_or_resume_run
+
+    p, ft = params.paths, params.finetune
+    started = time.perf_counter()
+    pairs = load_pairs(ft)
+    gate = validate_pairs(pairs, ft)
+    if not gate.success:
+        atomic_write_json(p.finetune_report, {"enabled": True, "gate": gate.to_dict()})
+        raise CorpusValidationError(gate)
+    train_chats, val_chats = split_pairs(pairs, ft.val_fraction)
+    base = resolve_base(params)
+    tokenizer = chat_tokenizer(base.tokenizer_dir)
+    dist = Distributed(device=str(resolve_device()))  # one process, on the GPU when there is one
+    base_model = UltraThink.from_pretrained(base.model_dir).to(dist.device)
+    before = score(base_model, tokenizer, val_chats)
+    shown = val_chats[: ft.samples]
+    answers_before = sample_answers(base_model, tokenizer, shown, params)
+    del base_model
+
+    setup = build(params, base, tokenizer, train_chats, val_chats, dist)
+    trainer = setup.trainer
+    trainable, total = trainable_share(trainer.model)
+    resumed = trainer.resume()
+    run_id = load_run_id(trainer.checkpoints.directory) if resumed else None
+    with start_or_resume_run(params.registry.experiment, Path("."), run_id, run_name="finetune") as run:
+        save_run_id(trainer.checkpoints.directory, run.info.run_id)
+        trainer.log_metrics = metric_sinks(params.train, params.paths, run.info.run_id)
+        if not resumed:
+            mlflow.log_params(flat_keys("finetune", params.finetune.model_dump()))
+            mlflow.set_tags({"stage": "finetune", "git_commit": git_commit(), **base.tags(),
+                             "fingerprint": trainer.checkpoints.fingerprint.id})
+        try:
+            result = trainer.fit()
+        finally:
+            trainer.log_metrics.flush()
+        model = setup.final_model()
+        after = score(model, tokenizer, val_chats)
+        answers_after = sample_answers(model, tokenizer, shown, params)
+        metrics = {"ft_response_loss_before": before.loss, "ft_response_loss": after.loss,
+                   "ft_response_bpb_before": before.bits_per_byte, "ft_response_bpb": after.bits_per_byte,
+                   "ft_trainable_params": float(trainable), "ft_trainable_share": trainable / total,
+                   "ft_train_pairs": float(len(train_chats)), "ft_heldout_pairs": float(len(val_chats)),
+                   "ft_train_seconds": result.seconds}
+        mlflow.log_metrics(metrics)
+        samples = [{"prompt": chat[-2]["content"], "reference": chat[-1]["content"], "before": b, "after": a}
+                   for chat, b, a in zip(shown, answers_before, answers_after)]
+        mlflow.log_dict(samples, "finetune/samples.json")
+        status = {"enabled": True, "method": ft.method, "base": base.tags(), "steps": result.step,
+                  "selected_step": result.selected_step, "resumed_from": result.resumed_from,
+                  "fingerprint": trainer.checkpoints.fingerprint.id, "metrics": metrics}
+        with atomic_dir(p.finetuned_dir) as out:
+            model.save_pretrained(out / "model")
+            tokenizer.save_pretrained(out / "tokenizer")
+            atomic_write_json(out / "model" / "history.json", result.history)
+            atomic_write_text(out / HELDOUT_FILE, chats_jsonl(val_chats))
+            atomic_write_json(out / STATUS_FILE, status)
+            save_run_id(out, run.info.run_id)
+    report = {"enabled": True, **metrics, "mlflow_run_id": run.info.run_id, "base_model": base.pinned,
+              "seconds": round(time.perf_counter() - started, 2), "gate": gate.to_dict(), "samples": samples}
+    atomic_write_json(p.finetune_report, report)
+    print(f"finetune: {ft.method} on {len(train_chats)} pairs from {base.pinned}, {result.step} steps "
+          f"({trainable:,} of {total:,} weights trained, {trainable / total:.2%}); held-out answers: loss "
+          f"{before.loss:.4f} → {after.loss:.4f}, bits/byte {before.bits_per_byte:.4f} → {after.bits_per_byte:.4f}")
+    for s in samples:
+        print(f"  Q {s['prompt']!r}\n    before {s['before'][:120]!r}\n    after  {s['after'][:120]!r}")
+
