@@ -234,30 +234,33 @@ def test_early_stopping_keeps_the_best_model(tmp_path):
     assert result.stopped_early and result.step == 20 and result.best_val_loss == 2.0
     best = trainer.checkpoints.best()
     assert best.step == 10
+    assert trainer.select_weights() == 10
     kept = trainer.model.state_dict()
     assert all(torch.equal(w, kept[name]) for name, w in best.load_weights().items())
-    assert result.selected_step == 10
     # The decision survives a resume: the run stays stopped instead of training on to step 200.
     resumed = make_trainer(tmp_path, 200, eval_every=5, early_stopping_patience=2, lr=5e-2, warmup_steps=1,
                            min_lr_ratio=1.0)
     assert resumed.resume() == 20
     again = resumed.fit()
-    assert again.step == 20 and again.stopped_early and again.selected_step == 10
+    assert again.step == 20 and again.stopped_early and resumed.select_weights() == 10
 
 
 def test_select_last_keeps_the_final_weights_and_best_picks_the_lowest_val(tmp_path):
     last = make_trainer(tmp_path / "last", 15, select="last")
     fake = iter([2.0, 1.0, 3.0])  # step 10 is best
     last.validate = lambda: next(fake)
-    result = last.fit()
-    assert result.selected_step == 15
+    last.fit()
+    assert last.select_weights() == 15
     final = last.checkpoints.latest().load_weights()
     assert all(torch.equal(w, last.model.state_dict()[n]) for n, w in final.items())
 
     best = make_trainer(tmp_path / "best", 15, select="best")
     fake = iter([2.0, 1.0, 3.0])
     best.validate = lambda: next(fake)
-    assert best.fit().selected_step == 10
+    best.fit()
+    last_step = {n: w.clone() for n, w in best.model.state_dict().items()}
+    assert best.select_weights() == 10
+    assert not all(torch.equal(w, last_step[n]) for n, w in best.model.state_dict().items())  # fit kept step 15's
     chosen = best.checkpoints.best()
     assert chosen.step == 10
     assert all(torch.equal(w, best.model.state_dict()[n]) for n, w in chosen.load_weights().items())

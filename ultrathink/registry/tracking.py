@@ -16,10 +16,12 @@ a fresh run is started with a warning rather than failing the pipeline.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -274,3 +276,19 @@ def metric_sinks(train: TrainConfig, paths: PathsConfig, run_id: str) -> MetricS
     if train.tensorboard:
         sinks.append(TensorBoardScalars(Path(paths.tensorboard_dir) / run_id))
     return MetricSinks(*sinks)
+
+
+@contextlib.contextmanager
+def training_run(checkpoint_dir: Path, resumed: bool, experiment: str, train: TrainConfig, paths: PathsConfig,
+                 run_name: str | None = None) -> Iterator[tuple[mlflow.ActiveRun, MetricSinks]]:
+    """The MLflow run of one configuration's training, for train and finetune alike: a resumed run re-opens the
+    run its checkpoints recorded (else a new one starts, and its id is recorded beside them); yields it with the
+    per-step metric sinks, whose last points are flushed however the block ends."""
+    run_id = load_run_id(checkpoint_dir) if resumed else None
+    with start_or_resume_run(experiment, Path("."), run_id, run_name=run_name) as run:
+        save_run_id(checkpoint_dir, run.info.run_id)
+        sinks = metric_sinks(train, paths, run.info.run_id)
+        try:
+            yield run, sinks
+        finally:
+            sinks.flush()  # the steps since the last batch of points

@@ -44,7 +44,7 @@ def finetune(params: Params) -> None:
     from ultrathink.model import UltraThink
     from ultrathink.train.distributed import Distributed
     from ultrathink.device import resolve_device
-    from ultrathink.registry.tracking import flat_keys, load_run_id, metric_sinks, save_run_id, start_or_resume_run
+    from ultrathink.registry.tracking import flat_keys, save_run_id, training_run
 
     p, ft = params.paths, params.finetune
     started = time.perf_counter()
@@ -67,18 +67,15 @@ def finetune(params: Params) -> None:
     trainer = setup.trainer
     trainable, total = trainable_share(trainer.model)
     resumed = trainer.resume()
-    run_id = load_run_id(trainer.checkpoints.directory) if resumed else None
-    with start_or_resume_run(params.registry.experiment, Path("."), run_id, run_name="finetune") as run:
-        save_run_id(trainer.checkpoints.directory, run.info.run_id)
-        trainer.log_metrics = metric_sinks(params.train, params.paths, run.info.run_id)
+    with training_run(trainer.checkpoints.directory, bool(resumed), params.registry.experiment, params.train,
+                      params.paths, run_name="finetune") as (run, sinks):
+        trainer.log_metrics = sinks
         if not resumed:
             mlflow.log_params(flat_keys("finetune", params.finetune.model_dump()))
             mlflow.set_tags({"stage": "finetune", "git_commit": git_commit(), **base.tags(),
                              "fingerprint": trainer.checkpoints.fingerprint.id})
-        try:
-            result = trainer.fit()
-        finally:
-            trainer.log_metrics.flush()
+        result = trainer.fit()
+        selected = trainer.select_weights()  # the best held-out pass's weights
         model = setup.final_model()
         after = score(model, tokenizer, val_chats)
         answers_after = sample_answers(model, tokenizer, shown, params)
@@ -92,7 +89,7 @@ def finetune(params: Params) -> None:
                    for chat, b, a in zip(shown, answers_before, answers_after)]
         mlflow.log_dict(samples, "finetune/samples.json")
         status = {"enabled": True, "method": ft.method, "base": base.tags(), "steps": result.step,
-                  "selected_step": result.selected_step, "resumed_from": result.resumed_from,
+                  "selected_step": selected, "resumed_from": result.resumed_from,
                   "fingerprint": trainer.checkpoints.fingerprint.id, "metrics": metrics}
         with atomic_dir(p.finetuned_dir) as out:
             model.save_pretrained(out / "model")

@@ -17,8 +17,7 @@ from ultrathink.io import atomic_dir, atomic_write_json
 from ultrathink.lineage import TRAINING_CODE, code_hash, lineage_tags
 from ultrathink.model import UltraThink
 from ultrathink.model.model import WEIGHTS_FILE
-from ultrathink.registry.tracking import (flat_keys, load_run_id, metric_sinks, save_run_id,
-                                         start_or_resume_run)
+from ultrathink.registry.tracking import flat_keys, training_run
 from ultrathink.registry.models import is_mlflow_uri, resolve_named_model
 from ultrathink.tokenizer import tokenizer_hash
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
@@ -133,6 +132,7 @@ def run(params: Params) -> None:
             train_and_record(params, trainer, resumed, parent, decided)
         else:  # other ranks train in lockstep; the main rank alone talks to MLflow and writes files
             trainer.fit()
+            trainer.select_weights()
             trainer.full_weights()  # collective under FSDP and ZeRO-3: the main rank gathers the final weights
         dist.barrier()  # every rank is done, the main rank's files and MLflow run included
     except BaseException:
@@ -152,10 +152,9 @@ def train_and_record(params: Params, trainer: Trainer, resumed: int | None, pare
     and, beside it, this run's facts (paths.train_run: run id, seconds, tokens/s), which change every run."""
     p, plan = params.paths, decided.plan
     checkpoints = trainer.checkpoints
-    run_id = load_run_id(checkpoints.directory) if resumed else None
-    with start_or_resume_run(params.registry.experiment, Path("."), run_id) as run:
-        save_run_id(checkpoints.directory, run.info.run_id)
-        trainer.log_metrics = metric_sinks(params.train, params.paths, run.info.run_id)
+    with training_run(checkpoints.directory, bool(resumed), params.registry.experiment, params.train,
+                      params.paths) as (run, sinks):
+        trainer.log_metrics = sinks
         if not resumed:
             mlflow.log_params(flat_params(params))
             mlflow.set_tags({**lineage_tags(params), "fingerprint": checkpoints.fingerprint.id,
@@ -168,10 +167,8 @@ def train_and_record(params: Params, trainer: Trainer, resumed: int | None, pare
             mlflow.log_metrics(cleaning_metrics(p.validate_report))
         model = trainer.model
         mlflow.log_metrics({"model_params": model.num_params(), "flops_per_token": model.flops_per_token()})
-        try:
-            result = trainer.fit()
-        finally:
-            trainer.log_metrics.flush()  # the steps since the last batch of points
+        result = trainer.fit()
+        selected = trainer.select_weights()
         plan.max_steps = trainer.cfg.max_steps  # a time budget's run may have revised it
         mlflow.log_params(plan.mlflow_params())  # after training: with the steps it took
         history = [{k: v for k, v in point.items() if k not in TIMING_FIGURES} for point in result.history]
@@ -179,10 +176,10 @@ def train_and_record(params: Params, trainer: Trainer, resumed: int | None, pare
                    "final_train_loss": result.history[-1]["train_loss"],
                    "final_val_loss": result.history[-1].get("val_loss"), "best_val_loss": result.best_val_loss,
                    "skipped_steps": result.skipped_steps, "stopped_early": result.stopped_early,
-                   "select": params.train.select, "selected_step": result.selected_step, "plan": plan.summary()}
+                   "select": params.train.select, "selected_step": selected, "plan": plan.summary()}
         lineage = {"fingerprint": checkpoints.fingerprint.id, "parts": asdict(checkpoints.fingerprint),
                    "tokenizer_sha256": checkpoints.extra["tokenizer_sha256"], "machine": plan.machine,
-                   "parent": parent.tags() if parent else None, "selected_step": result.selected_step}
+                   "parent": parent.tags() if parent else None, "selected_step": selected}
         mlflow.log_metrics({"train_seconds": result.seconds, "train_tokens_per_second": result.tokens_per_second})
         weights = trainer.full_weights()
         with atomic_dir(p.model_dir) as out:

@@ -57,7 +57,6 @@ class TrainResult:
     skipped_steps: int = 0
     best_val_loss: float | None = None
     stopped_early: bool = False
-    selected_step: int = 0  # the step whose weights the model holds after fit (train.select)
 
 
 @dataclass
@@ -267,7 +266,8 @@ class Trainer:
         return False
 
     def fit(self) -> TrainResult:
-        """Train up to cfg.max_steps from the current step (call resume() first to continue a checkpoint)."""
+        """Train up to cfg.max_steps from the current step (call resume() first to continue a checkpoint). The
+        model then holds the last step's weights; select_weights() applies train.select."""
         first_step, stop = self.step, bool(self.counters.stopped_early)
         started, window_start, window_steps = time.perf_counter(), time.perf_counter(), 0
         bar = tqdm(total=self.cfg.max_steps, initial=self.step, desc="train", unit="step",
@@ -317,13 +317,12 @@ class Trainer:
         if stop:
             log.warning("early stop at step %d: no val gain in %d validations (best val %.4f)",
                         self.step, self.cfg.early_stopping_patience, self.counters.best_val)
-        selected = self._select_weights()
         seconds = time.perf_counter() - started
         trained = self.step - first_step
         best = self.counters.best_val
         return TrainResult(self.step, first_step or None, self.history, seconds,
                            trained * self.tokens_per_step / seconds if seconds else 0.0,
-                           self.counters.skipped, best if math.isfinite(best) else None, stop, selected)
+                           self.counters.skipped, best if math.isfinite(best) else None, stop)
 
     def _replan(self, pace: "Pace", first_step: int) -> bool:
         """A time budget's revision of max_steps (see Deadline), at step REPLAN_FIRST and every tenth of the run,
@@ -367,9 +366,10 @@ class Trainer:
             low, high = (low, middle) if fits(middle) else (middle, high)
         return high if high != old else None
 
-    def _select_weights(self) -> int:
-        """train.select: load the best checkpoint's weights (lowest validation loss) unless the model already
-        holds them, or keep the last step's. Returns the step whose weights the model now holds."""
+    def select_weights(self) -> int:
+        """After fit(), train.select: load the best checkpoint's weights (lowest validation loss) unless the model
+        already holds them, or keep the last step's. Returns the step whose weights the model now holds. Every
+        rank calls it (loading is collective under FSDP)."""
         best = self.checkpoints.best() if self.cfg.select == "best" else None
         if best is None or best.step == self.step:
             return self.step
