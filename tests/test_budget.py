@@ -14,7 +14,7 @@ from ultrathink.config import Budget, ModelConfig, Params, ParamsError, Tokenize
 from ultrathink.tokenizer import auto_vocab_size, load_tokenizer, train_tokenizer
 from ultrathink.train import sizing
 from ultrathink.train.budget import Probe, steps_for, warmup_for
-from ultrathink.train.plan import Plan, PlanBook, apply_plan, plan_run
+from ultrathink.train.plan import Plan, apply_plan, plan_run
 
 AUTO_SHAPE = {k: None for k in sizing.SHAPE_KEYS}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ultrathink.lineage import PROJECT_ROOT, imported_names, module_source
+from ultrathink.lineage import PROJECT_ROOT, imported_names
 
 PACKAGES = ("ultrathink", "tasks", "flows")
 

@@ -3,8 +3,6 @@ from dvc.yaml; it adds no logic of its own."""
 
 from __future__ import annotations
 
-import importlib
-import logging
 import math
 import sys
 from pathlib import Path

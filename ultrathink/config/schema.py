@@ -4,7 +4,7 @@ parses train.budget, fingerprint.py says which knobs name a checkpoint)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 

@@ -20,6 +20,7 @@ from ultrathink.config import FinetuneConfig, ValidateConfig
 from ultrathink.data.cleaning import printable_ratio
 from ultrathink.data.constitution import Principle, violation_column
 from ultrathink.errors import StageError
+from ultrathink.data.cleaning import SeenHashes
 
 TEXT = "text"
 REPEATS = "repeats_earlier_row"  # True/False per text (None for a null one), given or computed by SourceGate
@@ -184,7 +185,6 @@ class SourceGate(Gate):
         """`checks`: the names of the expectations to run (default: all). The validate stage's parts run all but
         "duplicates", which needs the whole corpus's order and is run where the parts are put together, on a
         `REPEATS` column."""
-        from ultrathink.data.cleaning import SeenHashes
 
         chosen = [e for e in _expectations(cfg) if checks is None or e.meta["name"] in checks]
         if checks is not None and len(chosen) != len(checks):

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from ultrathink.config import MoEConfig
 from ultrathink.model.routing import Records, Routing, RoutingModule, implements, Stats, block_index, count, numel
+from ultrathink.model.model import SwiGLU
 
 
 ROWS_MULTIPLE = 32  # each expert's tokens are padded to a multiple of this many rows (see _dispatch)
@@ -53,8 +54,6 @@ class MoE(RoutingModule):
     def build(cls, cfg, layer: int, block: nn.Module) -> nn.Module:
         """The block's MLP becomes a mixture of SwiGLU experts."""
         if cfg.moe.applies_to(layer):
-            from ultrathink.model.model import SwiGLU
-
             hidden = cfg.moe.expert_hidden or cfg.hidden
             block.mlp = cls(cfg.d_model, cfg.moe, lambda: SwiGLU(cfg.d_model, hidden))
         return block

@@ -30,6 +30,7 @@ from mlflow.tracking import MlflowClient
 from ultrathink.errors import StageError
 from ultrathink.evaluate import Yardstick, read_yardstick
 from ultrathink.registry.tracking import BAD_VALUE, NOT_FOUND, sqlite_path
+from ultrathink.registry.models import resolve_model_files
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,6 @@ def current_champion(client: MlflowClient, name: str) -> ModelVersion | None:
 
 def score_version(name: str, version: int, yardstick: Yardstick) -> float:
     """Bits per byte of a registered version on `yardstick`, under the version's own tokenizer and own code."""
-    from ultrathink.registry.models import resolve_model_files
 
     return yardstick.score(resolve_model_files(f"models:/{name}/{version}"))
 

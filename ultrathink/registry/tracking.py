@@ -34,6 +34,8 @@ from mlflow.tracking import MlflowClient
 from ultrathink.config import PathsConfig, TrainConfig
 from ultrathink.errors import StageError
 from ultrathink.io import atomic_write_json
+from ultrathink.model.model import WEIGHTS_FILE
+from ultrathink.hashing import file_sha256
 
 RUN_FILE = "mlflow_run.json"
 # Error codes meaning "no such thing" (a malformed id or alias is a BAD_VALUE); anything else is a real failure.
@@ -175,8 +177,6 @@ def run_of_model(model_dir: Path, run_file: Path, experiment: str, root: Path) -
     """The MLflow run that trained the weights in `model_dir`: the one `run_file` (the train stage's run facts)
     names when it names these weights; else the newest run tagged with their sha256 (DVC restored the model from
     its cache, or a run elsewhere made the same bytes); else None."""
-    from ultrathink.model.model import WEIGHTS_FILE
-    from ultrathink.hashing import file_sha256
 
     weights = file_sha256(Path(model_dir) / WEIGHTS_FILE)
     facts = json.loads(Path(run_file).read_text()) if Path(run_file).is_file() else {}

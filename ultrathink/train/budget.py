@@ -20,6 +20,11 @@ import torch
 
 from ultrathink.config import Budget
 from ultrathink.device import is_cuda
+from ultrathink.model import UltraThink
+from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
+from ultrathink.train.distributed import Distributed
+from ultrathink.train.loader import TokenWindows
+from ultrathink.train.trainer import Trainer, ready_model
 
 log = logging.getLogger(__name__)
 
@@ -77,22 +82,17 @@ def probe_shape(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens,
     throwaway model of `model_cfg`'s shape, trained in one process on `device` with the run's settings (eager when
     train.compile is auto: that is decided from this). The global generators are restored afterwards; nothing of
     the real run is touched."""
-    from ultrathink.model import UltraThink
-    from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
-    from ultrathink.train.distributed import Distributed
-    from ultrathink.train.loader import TokenWindows
-    from ultrathink.train.trainer import Trainer
-
     started = time.perf_counter()
     devices = [torch.device(device).index or 0] if is_cuda(device) else []
     with torch.random.fork_rng(devices=devices), tempfile.TemporaryDirectory(prefix="ultrathink-probe-") as tmp:
         torch.manual_seed(train_cfg.seed)
         cfg = train_cfg.model_copy(update={"max_steps": 10**9, "warmup_steps": 1,
                                            "compile": train_cfg.compile is True})
-        trainer = Trainer(UltraThink(model_cfg, vocab_size),
-                          TokenWindows(train_tokens, model_cfg.seq_len, cfg.batch_size, cfg.seed), val_tokens, cfg,
-                          CheckpointManager(tmp, Fingerprint("probe", "probe", "probe"), keep=1, keep_configs=1),
-                          dist=Distributed(device=device), attention=attention)
+        dist = Distributed(device=device)
+        model = ready_model(UltraThink(model_cfg, vocab_size), cfg, attention, dist)
+        trainer = Trainer(model, TokenWindows(train_tokens, model_cfg.seq_len, cfg.batch_size, cfg.seed), val_tokens,
+                          cfg, CheckpointManager(tmp, Fingerprint("probe", "probe", "probe"), keep=1, keep_configs=1),
+                          dist=dist, attention=attention)
         first = [_timed(trainer.train_step, device) for _ in range(PROBE_WARMUP_STEPS)]
         steps = [_timed(trainer.train_step, device) for _ in range(PROBE_STEPS)]
         eval_seconds = _timed(trainer.validate, device)

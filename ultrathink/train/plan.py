@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -32,6 +31,9 @@ from ultrathink.hashing import json_hash
 from ultrathink.io import atomic_write_json
 from ultrathink.model.kernels import AttentionKernel, choose_attention, fixed_kernel, label
 from ultrathink.train.budget import Probe, compile_pays, probe_shape, steps_for, warmup_for
+from ultrathink.train import sizing
+from ultrathink.train.engine import autocast_dtype
+from ultrathink.train.precision import matmul_gflops, peak_flops
 from ultrathink.train.sizing import Sizing
 
 log = logging.getLogger(__name__)
@@ -133,7 +135,6 @@ class Plan:
 def apply_plan(plan: Plan, model_cfg, train_cfg):
     """The model and train configs a plan resolved: shape and batch, steps, warmup, compile and precision."""
     if plan.sizing:
-
         model_cfg, train_cfg = _sized(model_cfg, train_cfg, Sizing.from_dict(plan.sizing))
     return model_cfg, train_cfg.model_copy(update={"max_steps": plan.max_steps, "warmup_steps": plan.warmup_steps,
                                                    "compile": plan.compile, "precision": plan.precision})
@@ -200,8 +201,6 @@ class PlanBook:
 # ---- deciding ----------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _measure_peak(dtype_name: str, device: str) -> float:
-    from ultrathink.train.precision import matmul_gflops
-
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     return max(matmul_gflops(dtype, size=size, repeats=5, device=device) for size in PEAK_SIZES)
 
@@ -231,16 +230,12 @@ def peak_for(precision: str, device: str, gflops: dict[str, float] | None) -> fl
     """FLOP/s of the device in `precision`: the denominator of MFU. A CPU's is its measured matmul peak (recorded
     with the plan); a GPU's, its datasheet figure (precision.peak_flops)."""
     if is_cuda(device) or not gflops or precision not in gflops:
-        from ultrathink.train.precision import peak_flops
-
         return peak_flops(precision, device)
     return gflops[precision] * 1e9
 
 
 def decide_attention(setting: str, model_cfg, batch_size: int, precision: str,
                      device: str) -> tuple[AttentionKernel, dict[str, float]]:
-    from ultrathink.train.engine import autocast_dtype
-
     if setting != "auto":
         return fixed_kernel(setting), {}
     m = model_cfg
@@ -315,7 +310,6 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, devi
            gflops: dict[str, float] | None) -> Plan:
     """Precision, then (model.size auto) the shape, the attention kernel for it, the probe a time budget or
     compile auto needs, the steps and compile."""
-    from ultrathink.train import sizing
 
     precision = decide_precision(train_cfg.precision, device, gflops)
     if train_cfg.precision == "auto":

@@ -1,7 +1,6 @@
 """`model.size: auto`: the model shape a compute budget and a corpus call for.
 
 The rule, in three steps:
-
 1. **Candidates.** Every depth L from 1 to 32 with width d = 64·L, or 64 narrower or wider (loss is nearly flat
    over a wide band of aspect ratios, Kaplan et al. 2020; 64 per layer is nanochat's), heads of 64 dimensions, key/value heads half the heads
    (grouped-query attention) when the heads are even, context the largest power of two ≤ d (so attention scores
@@ -29,6 +28,8 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
+from ultrathink.config import ModelConfig
+from ultrathink.model import UltraThink
 
 CHINCHILLA = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
 REPEAT_DECAY = 15.4  # Muennighoff et al. 2023: R*_D, repetitions after which added epochs are worth 1/e as much
@@ -121,9 +122,6 @@ def valid(shape: dict) -> bool:
 
 @functools.lru_cache(maxsize=4096)
 def _counts(shape: Shape, model_json: str, vocab_size: int) -> tuple[int, int, int]:
-    from ultrathink.config import ModelConfig
-    from ultrathink.model import UltraThink
-
     cfg = ModelConfig.model_validate_json(model_json)
     with torch.device("meta"):
         model = UltraThink(cfg, vocab_size)

@@ -21,7 +21,7 @@ from ultrathink.device import is_cuda
 from ultrathink.errors import StageError
 from ultrathink.train.checkpoint import CheckpointManager
 from ultrathink.train.distributed import Distributed
-from ultrathink.train.engine import autocast, autocast_dtype, build_engine
+from ultrathink.train.engine import autocast, build_engine
 from ultrathink.train.loader import TokenStreamEval, TokenWindows
 from ultrathink.model.kernels import AttentionKernel, fixed_kernel
 from ultrathink.train.precision import peak_flops
