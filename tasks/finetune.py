@@ -1,5 +1,5 @@
-"""DVC's entry point of the finetune stage: `python -m tasks.finetune [--params P] [--set K=V]...` runs
-ultrathink/stages/finetune.py, where what the stage does is written."""
+"""DVC's entry point of the finetune stage, `python -m tasks.finetune [--params P] [--set K=V]...`:
+it runs ultrathink/stages/finetune.py, where what the stage does is written."""
 
 from ultrathink.stage import stage_entry
 from ultrathink.stages import finetune

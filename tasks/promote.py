@@ -1,5 +1,5 @@
-"""DVC's entry point of the promote stage: `python -m tasks.promote [--params P] [--set K=V]...` runs
-ultrathink/stages/promote.py, where what the stage does is written."""
+"""DVC's entry point of the promote stage, `python -m tasks.promote [--params P] [--set K=V]...`:
+it runs ultrathink/stages/promote.py, where what the stage does is written."""
 
 from ultrathink.stage import stage_entry
 from ultrathink.stages import promote

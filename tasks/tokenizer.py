@@ -1,5 +1,5 @@
-"""DVC's entry point of the tokenizer stage: `python -m tasks.tokenizer [--params P] [--set K=V]...` runs
-ultrathink/stages/tokenizer.py, where what the stage does is written."""
+"""DVC's entry point of the tokenizer stage, `python -m tasks.tokenizer [--params P] [--set K=V]...`:
+it runs ultrathink/stages/tokenizer.py, where what the stage does is written."""
 
 from ultrathink.stage import stage_entry
 from ultrathink.stages import tokenizer

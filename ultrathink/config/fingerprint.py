@@ -26,7 +26,8 @@ def training_params_hash(model: ModelConfig, train: TrainConfig) -> str:
 
 def finetune_params_hash(finetune: FinetuneConfig, train: TrainConfig) -> str:
     """The params part of a fine-tuning checkpoint's fingerprint (`train` as fine-tuning derives it)."""
-    return json_hash({"finetune": finetune.model_dump(exclude=set(FINETUNE_BOOKKEEPING)), "train": weights_knobs(train)})
+    knobs = finetune.model_dump(exclude=set(FINETUNE_BOOKKEEPING))
+    return json_hash({"finetune": knobs, "train": weights_knobs(train)})
 
 
 def section_hash(params: Params, *sections: str) -> str:

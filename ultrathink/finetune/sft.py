@@ -70,7 +70,8 @@ def train_config(params: Params) -> TrainConfig:
 
 
 def fingerprint(params: Params, base: Base, train_chats: list, val_chats: list, plan: Plan) -> Fingerprint:
-    return Fingerprint(finetune_params_hash(params.finetune, train_config(params)), json_hash({"train": train_chats, "val": val_chats}),
+    return Fingerprint(finetune_params_hash(params.finetune, train_config(params)),
+                       json_hash({"train": train_chats, "val": val_chats}),
                        code_hash(FINETUNE_CODE), base.weights_sha256, json_hash(plan.decisions()))
 
 

@@ -31,7 +31,8 @@ def run(params: Params) -> None:
     yardstick = Yardstick(tuple(val_documents(Path(p.prepared_dir), params.evaluate.max_val_bytes)))
     measured = metrics.get("val_bpb") if metrics.get("yardstick_sha256") == yardstick.sha256 else None
     decision = promote(model_dir, Path(p.tokenizer_dir), yardstick, params.registry, params.evaluate,
-                       {**lineage_tags(params), **model_lineage(model_dir)}, run_of_model(model_dir, Path(p.train_run), params.registry.experiment, Path(".")),
+                       {**lineage_tags(params), **model_lineage(model_dir)},
+                       run_of_model(model_dir, Path(p.train_run), params.registry.experiment, Path(".")),
                        Path("."),
                        known_bpb=measured)
     decision["yardstick"]["source"] = f"{p.prepared_dir}/{VAL_TEXT_FILE}"

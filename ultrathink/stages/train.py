@@ -29,12 +29,14 @@ from ultrathink.train.trainer import Deadline, Trainer, ready_model
 from ultrathink.train.warm_start import (LINEAGE_FILE, Parent, WarmStartError, check_optimizer, find_parent,
                                         load_parent_weights)
 
-
 log = logging.getLogger(__name__)
 
+
 def flat_params(params: Params) -> dict[str, object]:
+    """The data, tokenizer, model and train knobs as MLflow params (`train.lr`, ...)."""
     dump = params.model_dump(by_alias=True)
-    return {k: v for section in ("data", "tokenizer", "model", "train") for k, v in flat_keys(section, dump[section]).items()}
+    sections = ("data", "tokenizer", "model", "train")
+    return {k: v for section in sections for k, v in flat_keys(section, dump[section]).items()}
 
 
 def cleaning_metrics(validate_report: str) -> dict[str, float]:
@@ -77,8 +79,9 @@ def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[
     if not dist.is_main:  # it follows the main rank's plan and, under a time budget, its revisions
         decided = Decided(plan, shared["measured"], {}, None, "")
     model_cfg, cfg = apply_plan(plan, params.model, cfg)
-    fingerprint = Fingerprint(training_params_hash(params.model, params.train), directory_hash(prepared), code_hash(TRAINING_CODE),
-                              parent.weights_sha256 if parent else "none", json_hash(plan.decisions()))
+    fingerprint = Fingerprint(training_params_hash(params.model, params.train), directory_hash(prepared),
+                              code_hash(TRAINING_CODE), parent.weights_sha256 if parent else "none",
+                              json_hash(plan.decisions()))
     checkpoints = CheckpointManager(p.checkpoint_dir, fingerprint, cfg.keep_checkpoints, cfg.keep_configs,
                                     extra={"tokenizer_sha256": tok_sha, "optimizer": cfg.optimizer})
     torch.manual_seed(cfg.seed)
