@@ -24,9 +24,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.spawns]
 
 QUESTION = "What colour is box 7?"
 # A learnable task, so what the test asserts does not hang on one machine's numerics: every answer is "Box N is
-# red.", N copied from the question. The session's base model is tiny and barely trained (12 steps); on the embedded
-# pairs 60 LoRA steps lowered its held-out answer loss by 0.025 nats in bf16 and by 0.002 in fp32 (AVX2). Here
-# they lower it by 0.41 in fp32.
+# red.", N copied from the question. The session's base model is tiny and barely trained (12 steps when these
+# figures were taken, 200 now); on the embedded pairs 60 LoRA steps lowered its held-out answer loss by 0.025 nats
+# in bf16 and by 0.002 in fp32 (AVX2). Here they lower it by 0.41 in fp32.
 PAIRS = [{"prompt": f"What colour is box {i}?", "response": f"Box {i} is red."} for i in range(240)]
 FINETUNE = {"enabled": True, "data": "data/finetune/boxes.jsonl", "max_steps": 60, "batch_size": 8,
             "warmup_steps": 2, "eval_every": 20, "lr": 0.02, "samples": 2}

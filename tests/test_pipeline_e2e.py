@@ -15,6 +15,9 @@ import yaml
 
 from e2e_helpers import client_for, copy_project, make_project, ran_stages, set_params, sh
 
+pytestmark = [pytest.mark.slow, pytest.mark.spawns]  # `dvc repro`, `dvc exp`, Prefect flows: minutes
+
+
 @pytest.fixture(scope="module")
 def repro_project(trained_project, tmp_path_factory) -> Path:
     """This module's own copy of the trained project; its tests change it in order."""
@@ -25,8 +28,9 @@ def test_repro_registers_a_champion_that_generates(repro_project):
     decision = json.loads((repro_project / "reports/promotion.json").read_text())
     assert decision["promoted"] and decision["version"] == 1
     metrics = json.loads((repro_project / "reports/metrics.json").read_text())
-    assert metrics["val_loss"] < metrics["unigram_loss"] + 1.0  # trained a little: near or below the unigram floor
-    assert 0 < metrics["val_bpb"] < 8
+    # The trained model beats the unigram baseline (token frequencies alone), in nats per token and bits per byte.
+    figures = {k: round(metrics[k], 4) for k in ("val_loss", "unigram_loss", "val_bpb", "unigram_bpb")}
+    assert metrics["val_loss"] < metrics["unigram_loss"] and 0 < metrics["val_bpb"] < metrics["unigram_bpb"], figures
     client = client_for(repro_project)
     version = client.get_model_version_by_alias("ultrathink", "champion")
     assert version.version == 1 and version.tags["git_commit"] != "unknown" and "params_hash" in version.tags

@@ -19,9 +19,12 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from e2e_helpers import client_for, copy_project, ran_stages, set_params, sh
+from e2e_helpers import TINY, client_for, copy_project, ran_stages, set_params, sh
 
-pytestmark = pytest.mark.slow  # several minutes of real DVC runs: run by `make test`; `-m "not slow"` skips them
+# Several minutes of real DVC runs: run by `make test`; `-m "not slow"` (or `-m "not spawns"`) skips them.
+pytestmark = [pytest.mark.slow, pytest.mark.spawns]
+
+STEPS, EVERY = TINY["train"]["max_steps"], TINY["train"]["checkpoint_every"]  # the trained project's run
 
 
 @pytest.fixture
@@ -56,7 +59,7 @@ def test_a_code_change_retrains_and_never_publishes_the_old_weights(project):
     log = done.stdout + done.stderr
     assert "not resuming from" in log and "made with other code" in log
     summary = json.loads((project / "artifacts/model/train_summary.json").read_text())
-    assert summary["steps"] == 12
+    assert summary["steps"] == STEPS
     assert json.loads((project / "reports/train_run.json").read_text())["resumed_from"] is None
     after = weights(project)
     assert any(not (before[k] == after[k]).all() for k in before)
@@ -96,22 +99,22 @@ def test_a_detour_to_another_corpus_and_back_lets_the_real_model_win_again(proje
 
 def test_a_longer_schedule_keeps_earlier_checkpoints_and_going_back_resumes(project):
     first = {p.name for p in (project / "artifacts/checkpoints").iterdir()}
-    done = sh(["dvc", "exp", "run", "-S", "train.max_steps=18"], project)
+    done = sh(["dvc", "exp", "run", "-S", f"train.max_steps={STEPS + EVERY}"], project)
     assert ran_stages(done.stdout)[:1] == ["train"]
     folders = {p.name for p in (project / "artifacts/checkpoints").iterdir()}
     assert first < folders  # a new folder beside the first, which is intact
     (original,) = [project / "artifacts/checkpoints" / name for name in first if not name.startswith(".")]
-    assert sorted(p.name for p in original.glob("step_*")) == ["step_00000006", "step_00000012"]
-    set_params(project, {"train": {"max_steps": 12}})
+    assert sorted(p.name for p in original.glob("step_*")) == [f"step_{EVERY:08d}", f"step_{STEPS:08d}"]
+    set_params(project, {"train": {"max_steps": STEPS}})
     back = sh(["python", "-m", "tasks.train"], project)
-    assert "resumed from" in back.stderr and "at step 12" in back.stderr
+    assert "resumed from" in back.stderr and f"at step {STEPS}" in back.stderr
     summary = json.loads((project / "artifacts/model/train_summary.json").read_text())
-    assert summary["steps"] == 12
-    assert json.loads((project / "reports/train_run.json").read_text())["resumed_from"] == 12
+    assert summary["steps"] == STEPS
+    assert json.loads((project / "reports/train_run.json").read_text())["resumed_from"] == STEPS
 
 
 def test_warm_start_from_the_champion_beats_a_cold_start_at_equal_steps(project):
-    cold = metrics(project)["val_loss"]  # the baseline: 12 steps from a random init
+    cold = metrics(project)["val_loss"]  # the baseline: STEPS steps from a random init
     champion = client_for(project).get_model_version_by_alias("ultrathink", "champion")
     done = sh(["dvc", "exp", "run", "-S", "train.init_from=models:/ultrathink@champion"], project)
     assert ran_stages(done.stdout) == ["train", "evaluate", "promote", "finetune"]
@@ -155,7 +158,12 @@ def test_queued_sweep_lands_in_the_project_store_and_the_best_is_champion(projec
         if "Queued" not in status and "Running" not in status:
             break
         time.sleep(5)
-    assert status.count("Success") == 2, status + sh(["dvc", "queue", "logs", "--help"], project).stdout[:0]
+    # A task that did not succeed (Failed, or still Queued/Running at the deadline) is named with its own log.
+    unfinished = [row.split()[0] for row in status.splitlines() if row.split()[-1:] in (
+        ["Failed"], ["Queued"], ["Running"], ["Unknown"])]
+    shown = {task: sh(["dvc", "queue", "logs", task], project, check=False) for task in unfinished}
+    logs = "".join(f"\n--- dvc queue logs {task}:\n{(d.stdout + d.stderr)[-3000:]}" for task, d in shown.items())
+    assert status.count("Success") == 2 and not unfinished, status + logs
     client = client_for(project)
     versions = [v for v in client.search_model_versions("name='ultrathink'") if v.version not in before]
     assert len(versions) == 2
