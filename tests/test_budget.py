@@ -286,3 +286,27 @@ def test_the_attention_kernel_is_part_of_a_checkpoint_and_comes_back_on_resume(t
     assert resumed.resume() == 5
     assert resumed.attention == AttentionKernel("flash", False)
     assert all(m.kernel == resumed.attention for m in resumed.model.modules() if hasattr(m, "kernel"))
+
+
+def test_a_kernel_that_cannot_run_is_logged_with_its_error_and_out_of_memory_stops_the_choice(monkeypatch, caplog):
+    """A kernel with no implementation for the case is skipped, and the log says which and why; running out of
+    memory is not such a case (the run's shape does not fit), so it is raised, not skipped."""
+    from ultrathink.model import kernels
+
+    def flash_cannot(option, *rest):
+        if option.backend == "flash":
+            raise RuntimeError("No available kernel. Aborting execution.\nmore detail")
+        return 0.01
+
+    monkeypatch.setattr(kernels, "_time_once", flash_cannot)
+    with caplog.at_level("INFO", logger="ultrathink.model.kernels"):
+        chosen, timings = kernels.choose_attention("auto", 2, 2, 1, 16, 8, 0.0, "cpu", torch.bfloat16)
+    assert chosen.backend != "flash" and not any(k.startswith("flash") for k in timings)
+    assert "flash" in caplog.text and "cannot run this case (No available kernel. Aborting execution.)" in caplog.text
+
+    def out_of_memory(option, *rest):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(kernels, "_time_once", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+        kernels.choose_attention("auto", 2, 2, 1, 16, 8, 0.0, "cpu", torch.bfloat16)

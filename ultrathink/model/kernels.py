@@ -98,8 +98,10 @@ def choose_attention(setting: str, batch: int, heads: int, kv_heads: int, seq_le
                 warnings.simplefilter("ignore", UserWarning)
                 time_once(option)
             runnable.append(option)
+        except torch.OutOfMemoryError:
+            raise  # the run's own shape does not fit: no kernel choice will train it
         except RuntimeError as error:  # no such kernel for this shape or dropout (CPU flash has no dropout)
-            log.info("attention auto: %s cannot run this case (%s)", option, str(error).splitlines()[0][:200])
+            log.info("attention auto: %s cannot run this case (%s)", label(option), str(error).splitlines()[0][:200])
     if not runnable:
         raise RuntimeError(f"no attention kernel of {options} runs at batch {batch} × {heads} heads × {seq_len} "
                            f"tokens on {device}")
