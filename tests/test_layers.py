@@ -126,3 +126,19 @@ def test_a_cycle_is_found_when_there_is_one(tmp_path):
     assert cycles(package_graph(import_graph(tmp_path))) == [["ultrathink.a", "ultrathink.b"]]  # each its own unit
     (package / "b.py").write_text("def g():\n    return 1\n")
     assert cycles(library_graph(import_graph(tmp_path))) == []
+
+
+EDGE_TOOLS = ("mlflow", "prefect", "dvc")
+EDGES = ("ultrathink.registry", "ultrathink.stages", "ultrathink.cli")
+
+
+def test_only_the_edges_import_the_pipeline_tools():
+    """MLflow, Prefect and DVC are imported only at the edges (the registry, the stages, the CLI): the model, data,
+    training and scoring code stays importable and testable without them."""
+    found = {}
+    for name, path in project_modules().items():
+        if name.startswith("ultrathink") and not name.startswith(EDGES):
+            tools = {t.split(".")[0] for t in imported_names(name, path)} & set(EDGE_TOOLS)
+            if tools:
+                found[name] = sorted(tools)
+    assert found == {}
