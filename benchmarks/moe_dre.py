@@ -33,6 +33,7 @@ from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.loader import TokenWindows
 from ultrathink.train.precision import resolve_precision
 from ultrathink.train.distributed import Distributed
+from ultrathink.train.engine import build_engine
 from ultrathink.train.trainer import Trainer, ready_model
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
@@ -70,7 +71,7 @@ class Run:
         torch.manual_seed(0)
         model = UltraThink(cfg, vocab)
         checkpoints = CheckpointManager(workdir / name, Fingerprint(name, "bench", "bench"), 1, 1)
-        self.trainer = Trainer(ready_model(model, settings, None, Distributed()), TokenWindows(train, cfg.seq_len, BATCH, seed=0), val, settings, checkpoints)
+        self.trainer = Trainer(build_engine(ready_model(model, settings, None, Distributed()), settings, Distributed()), TokenWindows(train, cfg.seq_len, BATCH, seed=0), val, settings, checkpoints)
         self.seconds: list[float] = []
         self.figures: list[dict[str, float]] = []
 

@@ -29,10 +29,10 @@ from reference_gpt import GPT  # noqa: E402
 from ultrathink.config import ModelConfig, TrainConfig  # noqa: E402
 from ultrathink.model import UltraThink  # noqa: E402
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint  # noqa: E402
-from ultrathink.train.engine import autocast  # noqa: E402
+from ultrathink.train.engine import autocast, build_engine  # noqa: E402
 from ultrathink.train.loader import TokenWindows  # noqa: E402
 from ultrathink.train.precision import keep_freed_host_memory, peak_flops, resolve_precision  # noqa: E402
-from ultrathink.train.distributed import Distributed
+from ultrathink.train.distributed import Distributed  # noqa: E402
 from ultrathink.train.trainer import Trainer, ready_model  # noqa: E402
 
 SHAPE = dict(d_model=384, n_layers=6, n_heads=6, n_kv_heads=6, seq_len=256)
@@ -48,7 +48,7 @@ def ultrathink_step(workdir: Path, compile: bool, **train):
     torch.manual_seed(0)
     model = UltraThink(cfg, VOCAB)
     name = f"bench-{compile}"
-    trainer = Trainer(ready_model(model, settings, None, Distributed()), TokenWindows(tokens, cfg.seq_len, BATCH, seed=0), tokens[:10_000], settings,
+    trainer = Trainer(build_engine(ready_model(model, settings, None, Distributed()), settings, Distributed()), TokenWindows(tokens, cfg.seq_len, BATCH, seed=0), tokens[:10_000], settings,
                       CheckpointManager(workdir / name, Fingerprint(name, "bench", "bench"), 1, 1))
     return trainer.train_step, model
 

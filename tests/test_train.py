@@ -13,6 +13,7 @@ from ultrathink.train.loader import TokenWindows, eval_batches
 from ultrathink.train.optim import param_groups
 from ultrathink.train.schedule import lr_factor
 from ultrathink.train.distributed import Distributed
+from ultrathink.train.engine import build_engine
 from ultrathink.train.trainer import NonFiniteLossError, Trainer, ready_model
 
 MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, seq_len=16)
@@ -36,7 +37,9 @@ def make_trainer(tmp_path, steps, seed=0, model_cfg=MODEL, fingerprint=FP, **ove
     model = UltraThink(model_cfg, VOCAB)
     loader = TokenWindows(corpus(), model_cfg.seq_len, cfg.batch_size, cfg.seed)
     checkpoints = CheckpointManager(tmp_path / "ckpt", fingerprint, 2, cfg.keep_configs, extra={"optimizer": cfg.optimizer})
-    return Trainer(ready_model(model, cfg, None, Distributed()), loader, corpus(600, seed=0), cfg, checkpoints)
+    dist = Distributed()
+    engine = build_engine(ready_model(model, cfg, None, dist), cfg, dist)
+    return Trainer(engine, loader, corpus(600, seed=0), cfg, checkpoints)
 
 
 @pytest.mark.parametrize("schedule, expected", [

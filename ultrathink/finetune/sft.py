@@ -26,6 +26,7 @@ from ultrathink.hashing import file_sha256, json_hash
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.plan import Plan, PlanBook, apply_plan, plan_run
 from ultrathink.train.distributed import Distributed
+from ultrathink.train.engine import build_engine
 from ultrathink.train.trainer import Trainer, ready_model
 
 # The entry point whose module closure determines a fine-tuned model's weights (lineage.module_closure).
@@ -103,8 +104,8 @@ def build(params: Params, base: Base, tokenizer, train_chats: list, val_chats: l
                                     fingerprint(params, base, train_chats, val_chats, decided.plan),
                                     cfg.keep_checkpoints,
                                     cfg.keep_configs, extra={"base_model": base.pinned, "method": ft.method})
-    ready_model(trained, cfg, decided.plan.kernel, dist)
-    trainer = Trainer(trained, ChatBatches(tokenizer, train_chats, seq_len, cfg.batch_size, ft.seed),
+    engine = build_engine(ready_model(trained, cfg, decided.plan.kernel, dist), cfg, dist)
+    trainer = Trainer(engine, ChatBatches(tokenizer, train_chats, seq_len, cfg.batch_size, ft.seed),
                       ChatEval(tokenizer, val_chats, seq_len), cfg, checkpoints, log_metrics, dist,
                       attention=decided.plan.kernel, peak_flops=decided.peak_flops)
     return Setup(trainer, adapted)

@@ -22,6 +22,7 @@ from ultrathink.registry.models import is_mlflow_uri, resolve_named_model
 from ultrathink.tokenizer import tokenizer_hash
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.distributed import Distributed, setup
+from ultrathink.train.engine import build_engine
 from ultrathink.train.loader import TokenWindows
 from ultrathink.train.plan import Decided, Plan, PlanBook, apply_plan, plan_run
 from ultrathink.train.precision import keep_freed_host_memory, use_deterministic_kernels
@@ -92,8 +93,8 @@ def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[
             check_optimizer(parent, cfg.optimizer)
     loader = TokenWindows(train_tokens, model_cfg.seq_len, cfg.batch_size, cfg.seed,
                           rank=dist.rank, world_size=dist.world_size)
-    ready_model(model, cfg, plan.kernel, dist)
-    trainer = Trainer(model, loader, val_tokens, cfg, checkpoints, log_metrics, dist, attention=plan.kernel,
+    engine = build_engine(ready_model(model, cfg, plan.kernel, dist), cfg, dist)
+    trainer = Trainer(engine, loader, val_tokens, cfg, checkpoints, log_metrics, dist, attention=plan.kernel,
                       peak_flops=decided.peak_flops, deadline=deadline(params, decided))
     return trainer, parent, decided
 

@@ -23,6 +23,7 @@ from ultrathink.device import is_cuda
 from ultrathink.model import UltraThink
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.distributed import Distributed
+from ultrathink.train.engine import build_engine
 from ultrathink.train.loader import TokenWindows
 from ultrathink.train.trainer import Trainer, ready_model
 
@@ -89,8 +90,8 @@ def probe_shape(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens,
         cfg = train_cfg.model_copy(update={"max_steps": 10**9, "warmup_steps": 1,
                                            "compile": train_cfg.compile is True})
         dist = Distributed(device=device)
-        model = ready_model(UltraThink(model_cfg, vocab_size), cfg, attention, dist)
-        trainer = Trainer(model, TokenWindows(train_tokens, model_cfg.seq_len, cfg.batch_size, cfg.seed), val_tokens,
+        engine = build_engine(ready_model(UltraThink(model_cfg, vocab_size), cfg, attention, dist), cfg, dist)
+        trainer = Trainer(engine, TokenWindows(train_tokens, model_cfg.seq_len, cfg.batch_size, cfg.seed), val_tokens,
                           cfg, CheckpointManager(tmp, Fingerprint("probe", "probe", "probe"), keep=1, keep_configs=1),
                           dist=dist, attention=attention)
         first = [_timed(trainer.train_step, device) for _ in range(PROBE_WARMUP_STEPS)]

@@ -34,7 +34,9 @@ def autocast(precision: str, device: str = "cpu"):
 
 
 class Engine(Protocol):
+    model: torch.nn.Module  # the model (its parameters sharded in place under FSDP): what is evaluated and saved
     module: torch.nn.Module  # what the forward pass runs through (the model, or a wrapper of it)
+    flops_per_token: int  # the whole model's training FLOPs per token, counted before any sharding
     optimizers: list[torch.optim.Optimizer]  # the learning-rate schedule sets their param groups' lr
 
     def autocast(self): ...
@@ -111,8 +113,14 @@ class TorchEngine:
 
 
 def build_engine(model: torch.nn.Module, cfg: TrainConfig, dist: Distributed) -> Engine:
+    """The engine that takes `model`'s training steps on `dist`'s backend: it wraps the model (DDP), shards it in
+    place (FSDP) or hands it to DeepSpeed, and builds the optimizers. Collective under torchrun."""
+    flops_per_token = model.flops_per_token()  # before ZeRO-3 leaves each rank a slice of every tensor
     if dist.backend == "deepspeed":
-        from ultrathink.train.deepspeed_engine import DeepSpeedEngine
+        from ultrathink.train.deepspeed_engine import DeepSpeedEngine  # DeepSpeed is imported only when used
 
-        return DeepSpeedEngine(model, cfg, dist)
-    return TorchEngine(model, cfg, dist)
+        engine = DeepSpeedEngine(model, cfg, dist)
+    else:
+        engine = TorchEngine(model, cfg, dist)
+    engine.flops_per_token = flops_per_token
+    return engine

@@ -21,7 +21,7 @@ from ultrathink.device import is_cuda
 from ultrathink.errors import StageError
 from ultrathink.train.checkpoint import CheckpointManager
 from ultrathink.train.distributed import Distributed
-from ultrathink.train.engine import autocast, build_engine
+from ultrathink.train.engine import Engine, autocast
 from ultrathink.train.loader import TokenStreamEval, TokenWindows
 from ultrathink.model.kernels import AttentionKernel, fixed_kernel
 from ultrathink.train.precision import peak_flops
@@ -100,7 +100,7 @@ REPLAN_FIRST = 10  # steps before the first revision: the first steps pay kernel
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, train_loader: TokenWindows, val_data: np.ndarray | EvalData,
+    def __init__(self, engine: Engine, train_loader: TokenWindows, val_data: np.ndarray | EvalData,
                  cfg: TrainConfig, checkpoints: CheckpointManager,
                  log_metrics: MetricsSink | None = None, dist: Distributed | None = None,
                  attention: AttentionKernel | None = None, peak_flops: float | None = None,
@@ -111,14 +111,13 @@ class Trainer:
         `peak_flops`: the device's FLOP/s in this precision, for MFU (default: precision.peak_flops).
         `deadline`: a time budget's end, when this run measured the plan.
 
-        The model must already be on the run's device (`dist.device`): the trainer does not move it, seed the
-        random generators or change settings of the model behind the caller's back — `ready_model` does those,
-        in the open. The engine it builds wraps the model for the backend (DDP, FSDP, DeepSpeed)."""
+        `engine` takes the steps: build it with build_engine(ready_model(model, ...), cfg, dist). The trainer does
+        not move the model, seed the random generators, change the model's settings or wrap it behind the caller's
+        back: ready_model and build_engine do those, in the open."""
         self.dist = dist or Distributed()
-        on = {p.device for p in model.parameters()}
-        if on != {torch.device(self.dist.device)}:
-            raise ValueError(f"the model's weights are on {', '.join(sorted(map(str, on)))}, the run's device is "
-                             f"{self.dist.device}: move it first (trainer.ready_model)")
+        # `engine.module` runs the forward pass (the model or its DDP/FSDP/DeepSpeed wrapper); `model`, the same
+        # parameters unwrapped, is what is evaluated and saved.
+        self.engine, model = engine, engine.model
         self.model, self.loader, self.cfg = model, train_loader, cfg
         self.deadline, self.peak_flops = deadline, peak_flops
         self.val_data = val_data if hasattr(val_data, "eval_batches") else TokenStreamEval(val_data, train_loader.seq_len)
@@ -129,11 +128,7 @@ class Trainer:
             raise ValueError(f"the model runs attention {model.attention_kernel()} and gradient checkpointing "
                              f"{model.checkpoint_blocks}; this run's are {self.attention} and "
                              f"{cfg.gradient_checkpointing}: set them first (trainer.ready_model)")
-        # Counted before the backend wraps or shards the model (ZeRO-3 leaves each rank a slice of every tensor).
-        self.flops_per_token = model.flops_per_token()
-        # `engine` takes the steps (through the model, its DDP/FSDP wrapper or DeepSpeed: engine.module); `model`,
-        # the same parameters unwrapped, is what is evaluated and saved.
-        self.engine = build_engine(model, cfg, self.dist)
+        self.flops_per_token = engine.flops_per_token
         self.scheduler = Scheduler(self.engine.optimizers, cfg)
         self.step = 0
         self.history: list[dict[str, float]] = []
