@@ -7,9 +7,15 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ultrathink.finetune.sft import FINETUNE_CODE
 from ultrathink.lineage import PROJECT_ROOT, TRAINING_CODE, code_hash, module_closure
 
 STAGES = yaml.safe_load((PROJECT_ROOT / "dvc.yaml").read_text())["stages"]
+
+
+# What `python -m tasks.<stage>` runs besides the stage module's own closure: the entry point and the stage runner
+# (argument parsing, log files, exit codes), which compute nothing.
+RUNNER = {stage: {f"tasks/{stage}.py", "tasks/__init__.py", "ultrathink/stage.py"} for stage in ("train", "finetune")}
 
 
 def covered(path: Path, deps: list[str]) -> bool:
@@ -36,8 +42,13 @@ def test_the_train_closure_has_the_token_reader_and_the_variants_and_not_the_oth
                 "ultrathink/registry/champion.py"} & train
     # The checkpoint fingerprint's code is the stage module's closure: tasks/train.py's less the entry point and
     # the stage runner (argument parsing, log files, exit codes), which compute nothing.
-    runner = {"tasks/train.py", "tasks/__init__.py", "ultrathink/stage.py"}
-    assert {str(p) for p in module_closure(TRAINING_CODE)} == train - runner
+    assert {str(p) for p in module_closure(TRAINING_CODE)} == train - RUNNER["train"]
+
+
+@pytest.mark.parametrize("stage, code", [("train", TRAINING_CODE), ("finetune", FINETUNE_CODE)])
+def test_the_fingerprinted_code_is_what_the_stage_command_runs(stage, code):
+    entry = STAGES[stage]["cmd"].removeprefix("python -m ").split()[0]
+    assert {str(p) for p in module_closure(code)} == {str(p) for p in module_closure(entry)} - RUNNER[stage]
 
 
 @pytest.fixture
