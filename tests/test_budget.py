@@ -284,8 +284,8 @@ def test_the_attention_kernel_is_part_of_a_checkpoint_and_comes_back_on_resume(t
     resumed = make_trainer(tmp_path, 5, attention="math", model_cfg=trainer.model.cfg)
     resumed.checkpoints = trainer.checkpoints
     assert resumed.resume() == 5
-    assert resumed.attention == AttentionKernel("flash", False)
-    assert all(m.kernel == resumed.attention for m in resumed.model.modules() if hasattr(m, "kernel"))
+    assert resumed.model.attention_kernel() == AttentionKernel("flash", False)
+    assert all(m.kernel == AttentionKernel("flash", False) for m in resumed.model.modules() if hasattr(m, "kernel"))
 
 
 def test_a_kernel_that_cannot_run_is_logged_with_its_error_and_out_of_memory_stops_the_choice(monkeypatch, caplog):

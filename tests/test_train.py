@@ -292,6 +292,11 @@ def test_a_kill_while_best_is_replaced_keeps_the_previous_best(tmp_path, monkeyp
     restored = trainer.checkpoints.best()
     assert restored is not None and restored.step == 5
     assert (trainer.checkpoints.directory / "best").is_dir()
+    # Killed a moment later, after the new best was in place: the old one is left over, and the next save clears it.
+    (trainer.checkpoints.directory / ".best.replaced").mkdir()
+    trainer._save()
+    assert not (trainer.checkpoints.directory / ".best.replaced").exists()
+    assert trainer.checkpoints.best().step == 5
 
 
 ROUTED = MODEL.model_copy(update={"n_layers": 4, "moe": MODEL.moe.model_copy(update={"enabled": True, "every": 2}),

@@ -1,5 +1,5 @@
 """The device to run on: one place that reads a requested device ("auto", "cpu", "cuda", "cuda:1", a torch.device)
-and says whether a device is an accelerator, by its device type, never by comparing strings ("cuda:1" and
+and says whether a device is a GPU, by its device type, never by comparing strings ("cuda:1" and
 torch.device("cuda") are GPUs too).
 
 Inference paths (`ultrathink eval`/`generate`/`chat`, the registered pyfunc model, the scorers) take a device and
@@ -55,11 +55,6 @@ def device_type(device: DeviceLike) -> str:
 def is_cuda(device: DeviceLike) -> bool:
     """Whether `device` is a CUDA GPU, whatever its index or spelling."""
     return device_type(device) == "cuda"
-
-
-def is_accelerator(device: DeviceLike) -> bool:
-    """Whether `device` is anything but the CPU (a CUDA GPU, mps, xpu, ...); the meta device runs nothing."""
-    return device_type(device) not in ("cpu", "meta")
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

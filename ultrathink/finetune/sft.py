@@ -107,7 +107,7 @@ def build(params: Params, base: Base, tokenizer, train_chats: list, val_chats: l
     engine = build_engine(ready_model(trained, cfg, decided.plan.kernel, dist), cfg, dist)
     trainer = Trainer(engine, ChatBatches(tokenizer, train_chats, seq_len, cfg.batch_size, ft.seed),
                       ChatEval(tokenizer, val_chats, seq_len), cfg, checkpoints, log_metrics, dist,
-                      attention=decided.plan.kernel, peak_flops=decided.peak_flops)
+                      peak_flops=decided.peak_flops)
     return Setup(trainer, adapted)
 
 

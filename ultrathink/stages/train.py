@@ -94,8 +94,8 @@ def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[
     loader = TokenWindows(train_tokens, model_cfg.seq_len, cfg.batch_size, cfg.seed,
                           rank=dist.rank, world_size=dist.world_size)
     engine = build_engine(ready_model(model, cfg, plan.kernel, dist), cfg, dist)
-    trainer = Trainer(engine, loader, val_tokens, cfg, checkpoints, log_metrics, dist, attention=plan.kernel,
-                      peak_flops=decided.peak_flops, deadline=deadline(params, decided))
+    trainer = Trainer(engine, loader, val_tokens, cfg, checkpoints, log_metrics, dist, peak_flops=decided.peak_flops,
+                      deadline=deadline(params, decided))
     return trainer, parent, decided
 
 

@@ -93,7 +93,7 @@ def probe_shape(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens,
         engine = build_engine(ready_model(UltraThink(model_cfg, vocab_size), cfg, attention, dist), cfg, dist)
         trainer = Trainer(engine, TokenWindows(train_tokens, model_cfg.seq_len, cfg.batch_size, cfg.seed), val_tokens,
                           cfg, CheckpointManager(tmp, Fingerprint("probe", "probe", "probe"), keep=1, keep_configs=1),
-                          dist=dist, attention=attention)
+                          dist=dist)
         first = [_timed(trainer.train_step, device) for _ in range(PROBE_WARMUP_STEPS)]
         steps = [_timed(trainer.train_step, device) for _ in range(PROBE_STEPS)]
         eval_seconds = _timed(trainer.validate, device)

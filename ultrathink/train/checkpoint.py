@@ -204,6 +204,9 @@ class CheckpointManager:
             shutil.rmtree(path, ignore_errors=True)
         for leftover in self.directory.glob(f".*{PARTIAL}"):  # temp dirs of writes that were killed
             shutil.rmtree(leftover, ignore_errors=True)
+        for old in self.directory.glob(f".*{REPLACED}"):  # killed after its successor was in place: not needed
+            if (self.directory / old.name[1 : -len(REPLACED)]).exists():
+                shutil.rmtree(old, ignore_errors=True)
 
     def latest(self) -> Checkpoint | None:
         """The newest checkpoint whose files match its manifest; corrupt ones are reported and skipped."""

@@ -103,11 +103,9 @@ class Trainer:
     def __init__(self, engine: Engine, train_loader: TokenWindows, val_data: np.ndarray | EvalData,
                  cfg: TrainConfig, checkpoints: CheckpointManager,
                  log_metrics: MetricsSink | None = None, dist: Distributed | None = None,
-                 attention: AttentionKernel | None = None, peak_flops: float | None = None,
-                 deadline: Deadline | None = None):
+                 peak_flops: float | None = None, deadline: Deadline | None = None):
         """`train_loader` gives (x, y) batches (targets -100 are not trained on) and has `seq_len` and a
         state_dict; `val_data` is the val split's tokens or anything with `eval_batches(batch_size, max_batches)`.
-        `attention`: the kernel the plan chose (plan.py); default: the one train.attention names, or torch's own.
         `peak_flops`: the device's FLOP/s in this precision, for MFU (default: precision.peak_flops).
         `deadline`: a time budget's end, when this run measured the plan.
 
@@ -123,11 +121,10 @@ class Trainer:
         self.val_data = val_data if hasattr(val_data, "eval_batches") else TokenStreamEval(val_data, train_loader.seq_len)
         self.checkpoints = checkpoints
         self.log_metrics = log_metrics or (lambda metrics, step: None)
-        self.attention = attention or fixed_kernel(cfg.attention)
-        if model.attention_kernel() != self.attention or model.checkpoint_blocks != cfg.gradient_checkpointing:
-            raise ValueError(f"the model runs attention {model.attention_kernel()} and gradient checkpointing "
-                             f"{model.checkpoint_blocks}; this run's are {self.attention} and "
-                             f"{cfg.gradient_checkpointing}: set them first (trainer.ready_model)")
+        if model.checkpoint_blocks != cfg.gradient_checkpointing:
+            raise ValueError(f"the model's gradient checkpointing is {model.checkpoint_blocks}, "
+                             f"train.gradient_checkpointing is {cfg.gradient_checkpointing}: set it first "
+                             "(trainer.ready_model)")
         self.flops_per_token = engine.flops_per_token
         self.scheduler = Scheduler(self.engine.optimizers, cfg)
         self.step = 0
@@ -145,7 +142,7 @@ class Trainer:
             "rng": self.dist.gather_rng_states(),  # every rank's CPU and CUDA generators (collective)
             "history": self.history,
             "counters": asdict(self.counters),
-            "attention": self.attention.to_dict(),  # a resumed run computes with the same kernel
+            "attention": self.model.attention_kernel().to_dict(),  # a resumed run computes with the same kernel
         }
 
     def resume(self) -> int | None:
@@ -173,8 +170,7 @@ class Trainer:
                         self.dist.world_size)
         self.counters = Counters(**state["counters"])
         if "attention" in state:
-            self.attention = AttentionKernel(**state["attention"])
-            self.model.use_attention(self.attention)
+            self.model.use_attention(AttentionKernel(**state["attention"]))
         log.warning("resumed from %s at step %d", latest.path, self.step)
         return self.step
 
