@@ -11,6 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ultrathink.config.budget import Budget
 
 
+MAX_VOCAB = 2**32 - 1  # token ids are packed as uint16, or uint32 above 65,535 (ultrathink/data/packing.py)
+
+
 class Section(BaseModel):
     """Strict base: unknown keys are errors, values are immutable once loaded."""
 
@@ -114,16 +117,21 @@ class ValidateConfig(Section):
 
 
 class TokenizerConfig(Section):
+    pretrained: str | None = Field(
+        None, min_length=1, description="a Hugging Face model or tokenizer directory (tokenizer.json, "
+        "tokenizer_config.json): its tokenizer is taken as it is (vocabulary, special tokens, BOS/EOS convention, "
+        "chat template) instead of training one; the other tokenizer keys are then unused. null: train a BPE")
     vocab_size: int | Literal["auto"] = Field(
-        4096, description="BPE vocabulary size, special tokens included (300-65535); auto: from the corpus size, "
-        "about the square root of its bytes (ultrathink/tokenizer.py: auto_vocab_size)")
+        4096, description="BPE vocabulary size, special tokens included (at least 300; above 65,535 the token "
+        "files hold uint32 ids); auto: from the corpus size, about the square root of its bytes "
+        "(ultrathink/tokenizer.py: auto_vocab_size)")
+    min_frequency: int = Field(2, ge=1, description="least count for a merge to be learned")
 
     @model_validator(mode="after")
     def _vocab_in_range(self) -> "TokenizerConfig":
-        if self.vocab_size != "auto" and not 300 <= self.vocab_size <= 65535:
-            raise ValueError(f"vocab_size ({self.vocab_size}) must be between 300 and 65535, or auto")
+        if self.vocab_size != "auto" and not 300 <= self.vocab_size <= MAX_VOCAB:
+            raise ValueError(f"vocab_size ({self.vocab_size}) must be between 300 and {MAX_VOCAB:,}, or auto")
         return self
-    min_frequency: int = Field(2, ge=1, description="least count for a merge to be learned")
 
 
 class PrepareConfig(Section):
@@ -206,6 +214,18 @@ class DREConfig(VariantConfig):
         "at its share of tokens)")
 
 
+class RopeScaling(Section):
+    """Rotary frequencies stretched for a longer context, as an imported model was trained (Hugging Face's
+    rope_scaling): llama3 (Llama 3.1+: low frequencies divided by `factor`, high ones kept, a smooth ramp between)
+    or linear (every frequency divided by `factor`)."""
+
+    type: Literal["llama3", "linear"]
+    factor: float = Field(..., gt=0)
+    low_freq_factor: float = Field(1.0, gt=0, description="llama3 only")
+    high_freq_factor: float = Field(4.0, gt=0, description="llama3 only")
+    original_max_position_embeddings: int = Field(8192, ge=1, description="llama3 only: the context before scaling")
+
+
 MANUAL_SHAPE = {"d_model": 192, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "seq_len": 128}
 
 
@@ -222,6 +242,10 @@ class ModelConfig(Section):
     ffn_hidden: int | None = Field(None, ge=1, description="SwiGLU hidden width; default 8/3·d_model rounded up to 64")
     seq_len: int | None = Field(None, ge=8, description="context length")
     rope_theta: float = Field(10000.0, gt=0)
+    rope_scaling: RopeScaling | None = Field(None, description="null: plain RoPE (see RopeScaling)")
+    qkv_bias: bool = Field(False, description="biases on the query, key and value projections (Qwen2's layout)")
+    tie_embeddings: bool = Field(True, description="the output projection is the token embedding (false: a "
+                                 "separate lm_head matrix, as Llama 2/3 8B and TinyLlama have)")
     norm_eps: float = Field(1e-5, gt=0)
     dropout: float = Field(0.1, ge=0, lt=1)
     init_std: float = Field(0.02, gt=0)

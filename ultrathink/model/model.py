@@ -24,7 +24,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from ultrathink.config import ModelConfig
+from ultrathink.config.schema import RopeScaling
 from ultrathink.device import resolve_device
+from ultrathink.model import hf
 from ultrathink.model.kernels import AttentionKernel
 from ultrathink.model.routing import Records, RoutingModule, StepStats, numel, prefixed, variant_classes
 
@@ -45,12 +47,31 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+    """The rotation speed of each pair of dimensions, stretched as `scaling` says (the formulas of Hugging Face's
+    rope_scaling types, so an imported model sees the positions it was trained with)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if scaling is None:
+        return inv_freq
+    if scaling.type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: wavelengths longer than the original context / low_freq_factor are slowed by `factor`, those shorter
+    # than context / high_freq_factor are kept, and the band between blends the two.
+    context = scaling.original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    slowed = torch.where(wavelength > context / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
+    blend = (context / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - blend) * slowed / scaling.factor + blend * slowed
+    medium = (wavelength >= context / scaling.high_freq_factor) & (wavelength <= context / scaling.low_freq_factor)
+    return torch.where(medium, smoothed, slowed)
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for rotary position embeddings, laid out as two halves (the Llama convention)."""
 
-    def __init__(self, head_dim: int, max_len: int, theta: float):
+    def __init__(self, head_dim: int, max_len: int, theta: float, scaling: RopeScaling | None = None):
         super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        inv_freq = rope_frequencies(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
         angles = torch.cat([freqs, freqs], dim=-1)
         # Not persistent: derived from the config, so checkpoints need not carry them.
@@ -93,9 +114,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
         self.dropout = cfg.dropout
         self.kernel = AttentionKernel()  # which SDPA kernel (and, on a CPU under bf16, whether fp32): kernels.py
@@ -190,9 +211,11 @@ class UltraThink(nn.Module):
         self.cfg, self.vocab_size = cfg, vocab_size
         self.checkpoint_blocks = False  # gradient checkpointing: ~1/3 more compute for less activation memory
         self.embed = nn.Embedding(vocab_size, cfg.d_model)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.blocks = nn.ModuleList(make_block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        # The output projection: the embedding read backwards (tied, the default), or a matrix of its own.
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, vocab_size, bias=False)
         # The routing variants (MoE layers, routed blocks, ...), found in the module tree: routing.py's interface.
         self.variants: dict[str, RoutingModule] = {
             name: m for name, m in self.named_modules() if isinstance(m, RoutingModule)}
@@ -206,6 +229,8 @@ class UltraThink(nn.Module):
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=self.cfg.init_std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> ModelOutput:
@@ -225,8 +250,7 @@ class UltraThink(nn.Module):
             records.update(prefixed(f"blocks.{i}", block_records))
         if cache is not None:
             cache.length += idx.shape[1]
-        # The output projection is tied to the embedding: one matrix, read in both directions.
-        logits = F.linear(self.norm(x), self.embed.weight)
+        logits = F.linear(self.norm(x), self.output_weight())
         loss = aux = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
@@ -234,6 +258,10 @@ class UltraThink(nn.Module):
             if aux is not None:
                 loss = loss + aux
         return ModelOutput(logits, loss, aux, {name: r.stats for name, r in records.items()})
+
+    def output_weight(self) -> torch.Tensor:
+        """(vocab, d_model): the embedding when tied (one matrix, read in both directions), else lm_head's."""
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def use_attention(self, kernel: AttentionKernel) -> None:
         """Run every attention layer (routed blocks' included) with `kernel` (train.attention chose it)."""
@@ -297,9 +325,11 @@ class UltraThink(nn.Module):
         return self._active_params
 
     def flops_per_token(self) -> int:
-        """Training FLOPs per token, PaLM's convention: 6·N for the weights a token uses (the tied embedding counts
-        once, as the output matmul) plus 12·layers·d_model·seq_len for attention scores and values."""
-        return 6 * self.active_params() + 12 * self.cfg.n_layers * self.cfg.d_model * self.cfg.seq_len
+        """Training FLOPs per token, PaLM's convention: 6·N for the weights a token uses (the embedding counts
+        once, as the output matmul: an untied embedding's lookup is no matmul) plus 12·layers·d_model·seq_len for
+        attention scores and values."""
+        lookup = 0 if self.lm_head is None else self.embed.weight.numel()
+        return 6 * (self.active_params() - lookup) + 12 * self.cfg.n_layers * self.cfg.d_model * self.cfg.seq_len
 
     def save_pretrained(self, out_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Write weights and config; `state_dict` lets a sharded (FSDP) run pass its gathered full weights."""
@@ -311,13 +341,29 @@ class UltraThink(nn.Module):
         (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, device: str | torch.device = "cpu") -> "UltraThink":
+    def from_pretrained(cls, model_dir: str | Path, device: str | torch.device = "cpu",
+                        dtype: torch.dtype | None = None) -> "UltraThink":
         """Load weights with safetensors (no unpickling), in eval mode, on `device` (the CPU unless told: "auto"
-        is the GPU when there is one, see ultrathink.device.resolve_device; an unavailable device raises)."""
+        is the GPU when there is one, see ultrathink.device.resolve_device; an unavailable device raises).
+        `model_dir` is one of ours or a Hugging Face checkpoint of the Llama family (hf.py), whose weights keep
+        the dtype they are stored in unless `dtype` says otherwise."""
         target = resolve_device(device)  # before the work: a bad device fails fast
         model_dir = Path(model_dir)
+        if hf.is_hf_checkpoint(model_dir):
+            return cls.from_hf(model_dir, dtype).to(target).eval()
         config = json.loads((model_dir / CONFIG_FILE).read_text())
         with torch.device("cpu"):  # built where the weights are read, whatever torch's default device, then moved
             model = cls(ModelConfig(**config["model"]), config["vocab_size"])
         model.load_state_dict(load_file(model_dir / WEIGHTS_FILE, device="cpu"))
-        return model.to(target).eval()
+        return model.to(device=target, dtype=dtype).eval()
+
+    @classmethod
+    def from_hf(cls, model_dir: Path, dtype: torch.dtype | None = None) -> "UltraThink":
+        """A Hugging Face checkpoint as an UltraThink model on the CPU. Built on the meta device, then each
+        parameter is the tensor read from the checkpoint (assigned, not copied): memory holds the weights once."""
+        cfg, vocab_size = hf.model_config(hf.read_config(model_dir), source=str(model_dir))
+        with torch.device("meta"):
+            model = cls(cfg, vocab_size)
+        model.load_state_dict(hf.read_weights(model_dir, model.state_dict(), dtype), assign=True)
+        model.rotary = RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_theta, cfg.rope_scaling)  # was on meta
+        return model
