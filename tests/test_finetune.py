@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from ultrathink.config import FinetuneConfig, LoraSettings, ModelConfig, Params, TokenizerConfig, load_params
@@ -206,6 +207,42 @@ def test_lora_trains_only_the_adapters_and_merges_into_plain_weights(assets, tmp
     # The same configuration resumes from its checkpoint; other pairs are another configuration.
     assert build(params, base, tokenizer, chats, heldout, Distributed()).trainer.resume() == 24
     assert build(params, base, tokenizer, chats[1:], heldout, Distributed()).trainer.resume() is None
+
+
+@pytest.mark.parametrize("mode, share", [("int8", 0.30), ("nf4", 0.20)])
+def test_lora_on_a_quantized_base_trains_resumes_and_merges_into_a_plain_model(assets, tmp_path, mode, share):
+    params = Params(paths={"finetune_checkpoint_dir": str(tmp_path / "ckpt"),
+                           "finetune_plan": str(tmp_path / "plan.json")},
+                    train={"precision": "fp32", "attention": "torch", "log_every": 2},
+                    finetune={"max_steps": 24, "batch_size": 4, "warmup_steps": 1, "eval_every": 12, "lr": 0.02,
+                              "quantize": mode, "lora": {"r": 4, "alpha": 8.0, "dropout": 0.0}})
+    tokenizer = chat_tok(assets)
+    chats = [[user(f"Where is cat {i}?"), assistant(f"Cat {i} sat on the mat.")] for i in range(16)]
+    heldout = [[user(f"Where is cat {i}?"), assistant(f"Cat {i} sat on the mat.")] for i in range(16, 20)]
+    base = Base("dir", str(assets / "model"), assets / "model", assets / "tokenizer",
+                file_sha256(assets / "model" / "model.safetensors"))
+    setup = build(params, base, tokenizer, chats, heldout, Distributed())
+    fp32_bytes, quantized_bytes = setup.quantized
+    assert quantized_bytes < share * fp32_bytes  # int8 ≈ a quarter, nf4 ≈ an eighth (plus scales)
+    before = score(UltraThink.from_pretrained(assets / "model"), tokenizer, chats).loss
+    result = setup.trainer.fit()
+    assert result.step == 24
+    adapted = setup.trainer.model.eval()
+    x = torch.randint(0, 300, (2, 20))
+    with torch.no_grad():
+        expected = adapted(x).logits
+        merged = setup.final_model().eval()
+        assert (merged(x).logits - expected).abs().max() < 1e-3  # the dequantized base plus each update
+    assert all(type(p) is torch.nn.Parameter for p in merged.parameters())  # a plain model again
+    after = score(merged, tokenizer, chats).loss
+    assert after < before - 0.3, (before, after)
+    saved = [load_file(f) for f in (tmp_path / "ckpt").rglob("model.safetensors")]
+    assert saved and all(any("lora_A" in k for k in w) for w in saved)
+    assert not any("q_proj.base_layer" in k for w in saved for k in w)  # the frozen quantized weights stay out
+    resumed = build(params, base, tokenizer, chats, heldout, Distributed())
+    assert resumed.trainer.resume() == 24
+    with torch.no_grad():
+        assert torch.allclose(resumed.trainer.model.eval()(x).logits, expected, atol=1e-6)
 
 
 def test_adapters_on_missing_layers_name_the_layers_there_are(assets):

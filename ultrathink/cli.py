@@ -3,6 +3,7 @@ from dvc.yaml; it adds no logic of its own."""
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -70,19 +71,29 @@ def run() -> None:
     print("done: see `make ui` (MLflow UI), `dvc metrics show`, reports/promotion.json")
 
 
+MODEL_HELP = ("model dir (artifacts/model, artifacts/finetuned), Hugging Face checkpoint dir, training checkpoint "
+              "(artifacts/checkpoints/<config>/best, with paths.tokenizer_dir) or MLflow URI "
+              "(models:/ultrathink@champion)")
+
+
+def _settings(params: Path, set_: Optional[list[str]]) -> Params:
+    """params.yaml (with --set) where there is one, else the defaults."""
+    return _load(params, set_) if params.exists() or set_ else Params()
+
+
 @app.command("eval")
-def eval_text(model: str = typer.Option(..., "--model", "-m", help="model dir (artifacts/model) or MLflow URI "
-                                        "(models:/ultrathink@champion)"),
+def eval_text(model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
               text_file: Path = typer.Option(..., "--text-file", "-f", help="UTF-8 text to score"),
               params: Path = PARAMS_OPT, set_: Optional[list[str]] = SET_OPT, device: str = DEVICE_OPT) -> None:
     """Loss and bits per byte of a text file under a model and its own tokenizer, scored as the evaluate stage
     scores (the file is split into documents by data.txt_unit, e.g. -S data.txt_unit=line)."""
     from ultrathink.registry.models import evaluate_text_file
 
-    settings = _load(params, set_) if params.exists() or set_ else Params()
+    settings = _settings(params, set_)
     target = _device(device)
     try:
-        score = evaluate_text_file(model, text_file, settings.data.txt_unit, device=target)
+        score = evaluate_text_file(model, text_file, settings.data.txt_unit, device=target,
+                                   tokenizer_dir=Path(settings.paths.tokenizer_dir))
     except StageError as exc:
         err.print(f"[bold red]eval failed:[/] {exc}", highlight=False)
         raise typer.Exit(1) from None
@@ -90,8 +101,7 @@ def eval_text(model: str = typer.Option(..., "--model", "-m", help="model dir (a
           f"  ({score.tokens:,} tokens, {score.bytes:,} bytes, {score.documents:,} documents)")
 
 
-MODEL_REF_OPT = typer.Option(..., "--model", "-m", help="model dir (artifacts/model, artifacts/finetuned) or MLflow "
-                             "URI (models:/ultrathink@champion)")
+MODEL_REF_OPT = typer.Option(..., "--model", "-m", help=MODEL_HELP)
 MAX_NEW_OPT = typer.Option(None, help="default: evaluate.max_new_tokens")
 TEMPERATURE_OPT = typer.Option(None, help="0 is greedy; default: evaluate.temperature")
 TOP_K_OPT = typer.Option(None, help="default: evaluate.top_k")
@@ -105,7 +115,7 @@ def _sampling(params: Path, set_: Optional[list[str]], flags: dict):
 
     from ultrathink.config import EvaluateConfig
 
-    settings = _load(params, set_) if params.exists() or set_ else Params()
+    settings = _settings(params, set_)
     try:
         return EvaluateConfig.model_validate({**settings.evaluate.model_dump(),
                                               **{k: v for k, v in flags.items() if v is not None}})
@@ -115,19 +125,19 @@ def _sampling(params: Path, set_: Optional[list[str]], flags: dict):
         raise typer.Exit(2) from None
 
 
-def _load_model(ref: str, command: str, device):
-    """(model, tokenizer) named by a directory or an MLflow URI, the model on `device`; a missing model exits 1
-    saying what was looked for."""
+def _load_model(ref: str, command: str, device, settings: Params):
+    """(model, tokenizer) named by a directory or an MLflow URI, the model on `device`; a missing or unreadable
+    model exits 1 saying what was looked for."""
     from ultrathink.model import UltraThink
     from ultrathink.registry.models import resolve_model
     from ultrathink.tokenizer import load_tokenizer
 
     try:
-        model_dir, tokenizer_dir = resolve_model(ref)
+        model_dir, tokenizer_dir = resolve_model(ref, tokenizer_dir=Path(settings.paths.tokenizer_dir))
+        return UltraThink.from_pretrained(model_dir, device=device), load_tokenizer(tokenizer_dir)
     except StageError as exc:
         err.print(f"[bold red]{command} failed:[/] {exc}", highlight=False)
         raise typer.Exit(1) from None
-    return UltraThink.from_pretrained(model_dir, device=device), load_tokenizer(tokenizer_dir)
 
 
 @app.command()
@@ -144,7 +154,7 @@ def generate(model: str = MODEL_REF_OPT,
     cfg = _sampling(params, set_, {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
                                    "top_p": top_p, "seed": seed})
     target = _device(device)
-    loaded, tokenizer = _load_model(model, "generate", target)
+    loaded, tokenizer = _load_model(model, "generate", target, _settings(params, set_))
     for piece in stream_text(loaded, tokenizer, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed,
                              cfg.top_p, target):
         print(piece, end="", flush=True)
@@ -166,7 +176,7 @@ def chat(model: str = MODEL_REF_OPT,
     cfg = _sampling(params, set_, {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
                                    "top_p": top_p, "seed": seed})
     target = _device(device)
-    loaded, tokenizer = _load_model(model, "chat", target)
+    loaded, tokenizer = _load_model(model, "chat", target, _settings(params, set_))
     if not is_chat_tokenizer(tokenizer):
         err.print(f"[bold red]chat failed:[/] {model}: {NOT_A_CHAT_MODEL}", highlight=False)
         raise typer.Exit(1)
@@ -184,6 +194,25 @@ def chat(model: str = MODEL_REF_OPT,
             answer += piece
         print()
         history.append(assistant(answer))
+
+
+@app.command()
+def export(model: str = MODEL_REF_OPT,
+           out: Path = typer.Option(..., "--out", "-o", help="directory to write (replaced when it exists)"),
+           params: Path = PARAMS_OPT, set_: Optional[list[str]] = SET_OPT) -> None:
+    """Write a model as a Hugging Face checkpoint (Llama, Qwen2 or Mixtral, whichever computes what it computes)
+    with its tokenizer and chat template, for AutoModelForCausalLM and AutoTokenizer."""
+    from ultrathink.model.export import ExportError, export_hf
+    from ultrathink.registry.models import resolve_model
+
+    try:
+        model_dir, tokenizer_dir = resolve_model(model, tokenizer_dir=Path(_settings(params, set_).paths.tokenizer_dir))
+        written = export_hf(model_dir, tokenizer_dir, out)
+    except (StageError, ExportError) as exc:
+        err.print(f"[bold red]export failed:[/] {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    config = json.loads((written / "config.json").read_text())
+    print(f"export: {model} → {written} ({', '.join(config.get('architectures') or [])})")
 
 
 def _typed_lines():

@@ -1,5 +1,6 @@
 """Offline and quiet by default: no telemetry, no hub downloads. Imported first by every entry point."""
 
+import logging
 import os
 
 QUIET_OFFLINE_ENV = {
@@ -19,7 +20,15 @@ QUIET_OFFLINE_ENV = {
 }
 
 
+# torchao (imported by PEFT wherever it is installed) says on every import that its optional CUDA kernels for other
+# GPU architectures do not load, and registers enums with torch's pytree that torch 2.13 handles natively (a
+# deprecation notice about torchao's code): nothing a user can act on. finetune.quantize does not use either.
+QUIET_LOGGERS = {"torch.utils._pytree": logging.ERROR, "torchao": logging.ERROR}
+
+
 def apply() -> None:
-    """Set each variable unless the user already chose a value."""
+    """Set each variable unless the user already chose a value; quiet the loggers above."""
     for key, value in QUIET_OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
+    for name, level in QUIET_LOGGERS.items():
+        logging.getLogger(name).setLevel(level)

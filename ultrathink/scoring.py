@@ -34,16 +34,27 @@ def bits_per_byte(loss_nats: float, n_tokens: int, n_bytes: int) -> float:
     return loss_nats * n_tokens / (math.log(2) * n_bytes)
 
 
+def document_prefix(tokenizer) -> list[int]:
+    """The ids a tokenizer puts before every text it encodes: a Llama-style BOS, nothing for ours. Every document
+    of a packed stream starts with them, as the model saw (or, for an open model, was trained on) documents."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    framed = tokenizer("a")["input_ids"]
+    for start in range(len(framed) - len(plain) + 1):
+        if framed[start : start + len(plain)] == plain:
+            return framed[:start]
+    return []
+
+
 def encode_documents(tokenizer, documents) -> torch.Tensor:
-    """[EOS] + each document's ids followed by EOS: the packing of the prepare stage, with the EOS that precedes
-    the first document so that its first token is predicted as every other document's is. On the CPU: the scorers
-    put it on the model's device."""
+    """[EOS] + each document's ids (after the tokenizer's prefix) followed by EOS: the packing of the prepare
+    stage, with the EOS that precedes the first document so that its first token is predicted as every other
+    document's is. On the CPU: the scorers put it on the model's device."""
     if not documents:
         raise ValueError("no documents: there is nothing to score")
-    eos = tokenizer.eos_token_id
+    eos, prefix = tokenizer.eos_token_id, document_prefix(tokenizer)
     ids = [eos]
     for encoding in tokenizer.backend_tokenizer.encode_batch_fast(list(documents), add_special_tokens=False):
-        ids += encoding.ids
+        ids += prefix + encoding.ids
         ids.append(eos)
     return torch.tensor(ids, dtype=torch.long, device="cpu")
 
@@ -106,7 +117,7 @@ def render_chat(tokenizer, messages, add_generation_prompt: bool = False) -> lis
 
 def encode_conversation(tokenizer, messages) -> tuple[list[int], list[bool]]:
     """(ids, answer): the chat's ids and, per id, whether it belongs to an assistant turn (its text and the EOS that
-    closes it): the tokens the loss is taken on. An assistant turn's ids are those that rendering the chat up to
+    closes it, not what the template writes after that EOS): the tokens the loss is taken on. An assistant turn's ids are those that rendering the chat up to
     and including it adds to rendering the chat before it with the generation prompt (the assistant's header)."""
     ids = render_chat(tokenizer, messages)
     answer = [False] * len(ids)
@@ -115,10 +126,12 @@ def encode_conversation(tokenizer, messages) -> tuple[list[int], list[bool]]:
             continue
         start = len(render_chat(tokenizer, messages[:i], add_generation_prompt=True))
         through = render_chat(tokenizer, messages[: i + 1])
-        if ids[: len(through)] != through or through[-1] != tokenizer.eos_token_id or start >= len(through):
+        closing = [j for j in range(start, len(through)) if through[j] == tokenizer.eos_token_id]
+        if ids[: len(through)] != through or not closing:
             raise ValueError("the tokenizer's chat template does not close each turn with the EOS token, or its "
                              "special tokens are split as text (a chat tokenizer: ultrathink.model.chat)")
-        answer[start : len(through)] = [True] * (len(through) - start)
+        end = closing[-1] + 1  # what a template writes after the closing EOS (Qwen's newline) is not the answer
+        answer[start:end] = [True] * (end - start)
     return ids, answer
 
 

@@ -1,4 +1,5 @@
-"""A byte-level BPE tokenizer trained on the corpus, saved so that `transformers.AutoTokenizer` loads it.
+"""A byte-level BPE tokenizer trained on the corpus (or an open model's tokenizer, taken as it is: copy_pretrained),
+saved so that `transformers.AutoTokenizer` loads it.
 
 Byte-level with the full 256-byte initial alphabet means every string is encodable and decodes back unchanged: there
 is no unknown token. The literal text "<|endoftext|>" inside a document is encoded as ordinary text
@@ -62,6 +63,22 @@ def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, out_dir: Path) -
     with atomic_dir(out_dir) as tmp:
         wrapped.save_pretrained(tmp)
     return vocab_size
+
+
+def copy_pretrained(source: str | Path, out_dir: Path) -> PreTrainedTokenizerFast:
+    """tokenizer.pretrained: take a Hugging Face tokenizer as it is (vocabulary, special tokens, the BOS it adds,
+    chat template) and save it to `out_dir` (replaced). It needs an EOS token (documents are separated by it)."""
+    source = Path(source)
+    if not (source / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"tokenizer.pretrained: {source} holds no tokenizer.json (a fast tokenizer: "
+                                "AutoTokenizer.from_pretrained(...).save_pretrained(dir) writes one)")
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer.pretrained: {source} has no eos_token (tokenizer_config.json), which separates "
+                         "documents in the packed token files")
+    with atomic_dir(out_dir) as tmp:
+        tokenizer.save_pretrained(tmp)
+    return tokenizer
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:

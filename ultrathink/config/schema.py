@@ -227,6 +227,8 @@ class RopeScaling(Section):
 
 
 MANUAL_SHAPE = {"d_model": 192, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "seq_len": 128}
+# What else fixes the computation a set of weights was trained for (a parent's config must agree on these).
+ARCHITECTURE_KEYS = ("rope_theta", "rope_scaling", "qkv_bias", "tie_embeddings", "norm_eps")
 
 
 class ModelConfig(Section):
@@ -258,6 +260,13 @@ class ModelConfig(Section):
         if isinstance(data, dict) and data.get("size", "manual") == "manual":
             data = {**data, **{k: v for k, v in MANUAL_SHAPE.items() if data.get(k) is None}}
         return data
+
+    def set_by_user(self) -> dict[str, object]:
+        """The architecture keys whose value is not their default (the manual shape's for the shape keys): what a
+        warm start from an open model must find in the parent's config (the keys at their defaults follow it)."""
+        fields = type(self).model_fields
+        defaults = {k: MANUAL_SHAPE.get(k, fields[k].default) for k in (*MANUAL_SHAPE, "ffn_hidden", *ARCHITECTURE_KEYS)}
+        return {k: getattr(self, k) for k, default in defaults.items() if getattr(self, k) != default}
 
     @property
     def resolved(self) -> bool:
@@ -469,6 +478,10 @@ class FinetuneConfig(Section):
     max_response_chars: int = Field(2000, ge=1, description="longest answer")
     method: Literal["lora", "full"] = Field("lora", description="lora: train adapters only (PEFT); full: every weight")
     lora: LoraSettings = LoraSettings()
+    quantize: Literal["int8", "nf4"] | None = Field(
+        None, description="LoRA on a quantized frozen base (QLoRA): int8 (8-bit weights, a quarter of fp32's memory) "
+        "or nf4 (4-bit NormalFloat, an eighth), through torchao, on a CPU or a GPU; the adapters are merged into "
+        "the dequantized weights, so the result is a plain model. null: the base as it is")
     max_steps: int = Field(60, ge=1, description="optimizer steps (embedded pairs on the default model: the held-out "
                            "answer loss is lowest near 60 at lr 2e-3; 150 overfits, the best checkpoint is kept)")
     batch_size: int = Field(16, ge=1, description="pairs per step (each padded to model.seq_len)")
@@ -481,6 +494,13 @@ class FinetuneConfig(Section):
     seed: int = Field(0, description="seed of the pair order, the adapters' init and dropout")
     samples: int = Field(3, ge=0, description="held-out prompts answered (greedy) by the model before and after, "
                          "in the report")
+
+    @model_validator(mode="after")
+    def _quantize_needs_lora(self) -> "FinetuneConfig":
+        if self.quantize and self.method != "lora":
+            raise ValueError(f"quantize {self.quantize} freezes a quantized base under LoRA adapters: it needs "
+                             "method lora (full fine-tuning trains every weight)")
+        return self
 
     @model_validator(mode="after")
     def _bounds(self) -> "FinetuneConfig":

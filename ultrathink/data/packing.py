@@ -1,6 +1,7 @@
 """Tokenized train/val splits as flat token files (in shards) that the trainer reads window by window.
 
-Every document is encoded without special tokens and followed by one EOS id; documents are concatenated. Two ways to
+Every document is framed as its tokenizer frames a text (a Llama-style tokenizer's BOS before it; none for ours:
+scoring.document_prefix) and followed by one EOS id; documents are concatenated. Two ways to
 choose the split (`prepare.split`):
   hash  a document's split follows from a hash of its text alone, so it does not depend on order, seed or machine,
         and copies of one text always land in the same split (no train/val leakage through duplicates);
@@ -9,8 +10,8 @@ choose the split (`prepare.split`):
 
 Memory stays bounded whatever the corpus size: the corpus is read line by line, tokenized in batches by a pool of
 processes (a bounded number of batches in flight), and the token files are written batch by batch. Documents longer
-than `_MAX_PIECE_CHARS` are encoded in pieces cut where byte-level BPE cannot merge across (a line start), so the ids
-are those of the whole document.
+than `_MAX_PIECE_CHARS` are encoded in pieces cut where our byte-level BPE cannot merge across (a line start), so the
+ids are those of the whole document; a pretrained tokenizer (tokenizer.pretrained) encodes every document whole.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ultrathink.data.shards import is_sharded, read_shards, text_bytes
 from ultrathink.data.token_checks import check_token_files
 from ultrathink.data.tokens import META_FILE, SPLITS
 from ultrathink.io import atomic_dir
+from ultrathink.scoring import document_prefix
 from ultrathink.tokenizer import load_tokenizer, tokenizer_hash
 
 VAL_TEXT_FILE = "val.jsonl"  # the val documents' text, one {"text": ...} per line: what evaluation scores
@@ -72,10 +74,12 @@ class SplitPlan:
 
 @dataclass
 class _Batch:
-    """Text pieces to encode; `ends[i]` says whether piece i ends its document (gets an EOS, counts as one)."""
+    """Text pieces to encode; `starts[i]` says whether piece i begins its document (gets the tokenizer's prefix),
+    `ends[i]` whether it ends it (gets an EOS, counts as one)."""
 
     texts: list[str] = field(default_factory=list)
     in_val: list[bool] = field(default_factory=list)
+    starts: list[bool] = field(default_factory=list)
     ends: list[bool] = field(default_factory=list)
     chars: int = 0
 
@@ -202,7 +206,8 @@ def _write_token_files(corpus: Path, plan: SplitPlan, cfg: PrepareConfig, tokeni
         val_text = stack.enter_context(open(out / VAL_TEXT_FILE, "w", encoding="utf-8"))
         bar = stack.enter_context(tqdm(total=text_bytes(corpus), unit="B", unit_scale=True,
                                        desc="prepare", disable=None))
-        batches = _batches(corpus, plan, cfg.batch_size, bar)
+        cut = _MAX_PIECE_CHARS if cuts_at_line_starts(load_tokenizer(tokenizer_dir)) else None
+        batches = _batches(corpus, plan, cfg.batch_size, bar, cut)
         pending = ""  # val text of a document whose last piece is still to come
         for batch, encoded in _encode_in_order(batches, tokenizer_dir, dtype, workers, stack):
             for split, (ids, counts) in zip(SPLITS, encoded):
@@ -249,15 +254,24 @@ class _ShardedTokenFile:
             self._file.close()
 
 
-def _batches(corpus: Path, plan: SplitPlan, size: int, progress) -> Iterator[_Batch]:
-    """Consecutive batches of at most `size` documents and about `_BATCH_CHARS` characters."""
+def cuts_at_line_starts(tokenizer) -> bool:
+    """Whether encoding a text in pieces cut at line starts gives the ids of the whole (see _pieces): true of the
+    byte-level BPE with GPT-2's split pattern that ultrathink.tokenizer trains, not assumed of any other."""
+    pre = json.loads(tokenizer.backend_tokenizer.to_str()).get("pre_tokenizer") or {}
+    return pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
+
+
+def _batches(corpus: Path, plan: SplitPlan, size: int, progress, max_piece: int | None) -> Iterator[_Batch]:
+    """Consecutive batches of at most `size` documents and about `_BATCH_CHARS` characters; documents longer than
+    `max_piece` in pieces (None: whole)."""
     batch, documents = _Batch(), 0
     for number, text in enumerate(read_texts(corpus, progress)):
         for part, is_val in plan.pieces(number, text):
-            pieces = _pieces(part, _MAX_PIECE_CHARS)
+            pieces = _pieces(part, max_piece) if max_piece else [part]
             for i, piece in enumerate(pieces):
                 batch.texts.append(piece)
                 batch.in_val.append(is_val)
+                batch.starts.append(i == 0)
                 batch.ends.append(i == len(pieces) - 1)
                 batch.chars += len(piece)
         documents += 1
@@ -309,26 +323,31 @@ def _encode_in_order(batches: Iterator[_Batch], tokenizer_dir: Path, dtype: np.d
         yield done, future.result()
 
 
-_worker: dict = {}  # per process: the backend tokenizer, EOS id and dtype, set once by _init_worker
+_worker: dict = {}  # per process: the backend tokenizer, document prefix, EOS id and dtype, set by _init_worker
 
 
 def _init_worker(tokenizer_dir: Path, dtype: np.dtype) -> None:
     tokenizer = load_tokenizer(tokenizer_dir)
     # The backend encodes exactly as the transformers wrapper does (no added special tokens, literal special-token
     # text kept as text) without building a BatchEncoding per call.
-    _worker.update(backend=tokenizer.backend_tokenizer, eos=tokenizer.eos_token_id, dtype=dtype)
+    _worker.update(backend=tokenizer.backend_tokenizer, prefix=document_prefix(tokenizer),
+                   eos=tokenizer.eos_token_id, dtype=dtype)
 
 
 def _encode_batch(batch: _Batch) -> tuple:
-    """((train ids, counts), (val ids, counts)): each piece's ids, EOS after a document's last piece."""
+    """((train ids, counts), (val ids, counts)): each piece's ids, the tokenizer's prefix (BOS) before a document's
+    first piece and EOS after its last."""
     encodings = _worker["backend"].encode_batch_fast(batch.texts, add_special_tokens=False)
     out = []
     for split_is_val in (False, True):
         ids: list[int] = []
         counts = {"tokens": 0, "bytes": 0, "documents": 0}
-        for text, encoding, is_val, ends in zip(batch.texts, encodings, batch.in_val, batch.ends):
+        for text, encoding, is_val, starts, ends in zip(batch.texts, encodings, batch.in_val, batch.starts,
+                                                        batch.ends):
             if is_val != split_is_val:
                 continue
+            if starts:
+                ids += _worker["prefix"]
             ids += encoding.ids
             if ends:
                 ids.append(_worker["eos"])

@@ -13,16 +13,16 @@ from peft import PeftModel
 
 from ultrathink.config import Params, TrainConfig
 from ultrathink.model.chat import reply
-from ultrathink.finetune.lora import add_adapters, merged
+from ultrathink.finetune.lora import add_adapters, merged, quantize_base
 from ultrathink.finetune.pairs import ChatBatches, ChatEval
 from ultrathink.lineage import code_hash
 from ultrathink.model import UltraThink
-from ultrathink.model.model import WEIGHTS_FILE
+from ultrathink.model.model import weights_sha256
 from ultrathink.registry.champion import CHAMPION
 from ultrathink.scoring import TextScore, score_conversations
 from ultrathink.registry.models import resolve_named_model
 from ultrathink.config.fingerprint import finetune_params_hash
-from ultrathink.hashing import file_sha256, json_hash
+from ultrathink.hashing import json_hash
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.plan import Plan, PlanBook, apply_plan, plan_run
 from ultrathink.train.distributed import Distributed
@@ -54,7 +54,7 @@ def resolve_base(params: Params, root: Path = Path(".")) -> Base:
     uri = f"models:/{params.registry.model_name}@{CHAMPION}" if ref == CHAMPION else ref
     named = resolve_named_model(uri, root)
     files = named.files
-    return Base(ref, named.pinned, files.model_dir, files.tokenizer_dir, file_sha256(files.model_dir / WEIGHTS_FILE))
+    return Base(ref, named.pinned, files.model_dir, files.tokenizer_dir, weights_sha256(files.model_dir))
 
 
 def train_config(params: Params) -> TrainConfig:
@@ -80,6 +80,7 @@ def fingerprint(params: Params, base: Base, train_chats: list, val_chats: list, 
 class Setup:
     trainer: Trainer
     adapted: PeftModel | None  # the PEFT wrapper under LoRA (None: full fine-tuning)
+    quantized: tuple[int, int] | None = None  # finetune.quantize: bytes of the adapted layers' weights before, after
 
     def final_model(self) -> UltraThink:
         """The trained model as plain UltraThink weights (adapters merged)."""
@@ -91,11 +92,12 @@ def build(params: Params, base: Base, tokenizer, train_chats: list, val_chats: l
     """The base model with adapters (or all weights trainable) on `dist.device`, its chat batches and the Trainer,
     checkpointing into this configuration's own folder of paths.finetune_checkpoint_dir."""
     cfg, ft = train_config(params), params.finetune
-    model = UltraThink.from_pretrained(base.model_dir)
+    model = UltraThink.from_pretrained(base.model_dir, dtype=torch.float32)  # an open model may be stored in bf16
     # Precision and attention kernel: decided once per configuration and machine class, as pretraining's.
     decided = plan_run(model.cfg, cfg, model.vocab_size, train_chats, val_chats, dist.device, dist.world_size,
                        PlanBook(params.paths.finetune_plan))
     _, cfg = apply_plan(decided.plan, model.cfg, cfg)
+    quantized = quantize_base(model, ft.quantize, ft.lora.target_modules) if ft.quantize else None
     torch.manual_seed(ft.seed)  # the adapters' initial A matrices
     adapted = add_adapters(model, ft.lora) if ft.method == "lora" else None
     trained = adapted.get_base_model() if adapted is not None else model
@@ -108,7 +110,7 @@ def build(params: Params, base: Base, tokenizer, train_chats: list, val_chats: l
     trainer = Trainer(engine, ChatBatches(tokenizer, train_chats, seq_len, cfg.batch_size, ft.seed),
                       ChatEval(tokenizer, val_chats, seq_len), cfg, checkpoints, log_metrics, dist,
                       peak_flops=decided.peak_flops)
-    return Setup(trainer, adapted)
+    return Setup(trainer, adapted, quantized)
 
 
 def score(model: UltraThink, tokenizer, chats: list) -> TextScore:

@@ -37,10 +37,10 @@ class NotAChatModelError(ValueError):
 
 
 def chat_tokenizer(tokenizer_dir: str | Path) -> PreTrainedTokenizerFast:
-    """The pretraining tokenizer of `tokenizer_dir` (same vocabulary and ids) with the chat template, reading the
-    EOS text in a rendered chat as the EOS id."""
+    """The pretraining tokenizer of `tokenizer_dir` (same vocabulary and ids) with its own chat template when it has
+    one (an open model's), else ours; reading special-token text in a rendered chat as the special ids."""
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True, split_special_tokens=False)
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = tokenizer.chat_template or CHAT_TEMPLATE
     return tokenizer
 
 
@@ -66,7 +66,7 @@ def stream_reply(model, tokenizer, messages: list[dict], max_new_tokens: int, te
     """The assistant's next turn, piece by piece, ending at the EOS that closes it; generated on `device` (the model
     is moved there) or, when None, on the model's device."""
     return stream_text(model, tokenizer, prompt_text(tokenizer, messages), max_new_tokens, temperature, top_k, seed,
-                       top_p, device)
+                       top_p, device, document=False)
 
 
 def reply(model, tokenizer, messages: list[dict], max_new_tokens: int, temperature: float, top_k: int | None,

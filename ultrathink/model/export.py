@@ -1,12 +1,14 @@
-"""Export a trained UltraThink model as a Hugging Face transformers directory.
+"""Export an UltraThink model as a Hugging Face transformers directory (`ultrathink export`, and the registry's
+hf/ artifact).
 
-The dense model is a LlamaForCausalLM (same math, tensors renamed, tied embeddings). A model whose every block is an
+The dense model is a LlamaForCausalLM (same math, tensors renamed: hf.py), or a Qwen2ForCausalLM when its q/k/v
+projections carry biases (an imported Qwen2); tied or untied embeddings and rope scaling carry over. A model whose every block is an
 MoE layer is a MixtralForCausalLM: Mixtral routes with softmax → top-k → renormalise over the chosen experts, which
 is what MoE does for top_k ≥ 2 without a selection bias; Mixtral is dropless, as MoE is at inference.
 
 Not exportable (ExportError says which): DRE routing (transformers has no Mixture-of-Depths model); MoE in only
 some blocks (Mixtral's blocks are all MoE); top_k = 1 (MoE weights the expert by its probability, Mixtral by 1);
-bias balancing (Mixtral chooses experts by probability alone).
+bias balancing (Mixtral chooses experts by probability alone); q/k/v biases with MoE (Mixtral has none).
 """
 
 from __future__ import annotations
@@ -14,16 +16,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedModel
+from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PretrainedConfig,
+                          PreTrainedModel, Qwen2Config, Qwen2ForCausalLM)
 
 from ultrathink.io import atomic_dir
+from ultrathink.model.hf import hf_config_dict, hf_name
 from ultrathink.model.model import UltraThink
 from ultrathink.model.moe import MoE
 from ultrathink.model.routing import block_index
 from ultrathink.tokenizer import load_tokenizer
-
-RENAMES = {"embed.": "model.embed_tokens.", "blocks.": "model.layers.", "attn_norm": "input_layernorm",
-           "mlp_norm": "post_attention_layernorm", ".attn.": ".self_attn.", ".mlp.router.": ".mlp.gate."}
 
 
 class ExportError(ValueError):
@@ -45,20 +46,22 @@ def incompatibilities(model: UltraThink) -> list[str]:
         problems.append("model.moe.top_k=1: MoE weights the one expert by its probability, Mixtral by 1")
     if moe_layers(model) and cfg.moe.bias_balancing:
         problems.append("model.moe.bias_balancing: Mixtral chooses experts by router probability alone")
+    if moe_layers(model) and cfg.qkv_bias:
+        problems.append("model.qkv_bias with MoE: Mixtral's attention has no biases")
     return problems
 
 
-def hf_config(model: UltraThink) -> LlamaConfig | MixtralConfig:
+def architecture(model: UltraThink) -> tuple[type[PreTrainedModel], PretrainedConfig]:
+    """The transformers class that computes what `model` computes, and its config."""
     cfg = model.cfg
-    common = dict(vocab_size=model.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
-                  num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-                  max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-                  tie_word_embeddings=True)
+    common = dict(hf_config_dict(cfg), vocab_size=model.vocab_size)
     if moe_layers(model):
-        return MixtralConfig(**common, intermediate_size=cfg.moe.expert_hidden or cfg.hidden,
-                             num_local_experts=cfg.moe.n_experts, num_experts_per_tok=cfg.moe.top_k,
-                             router_jitter_noise=0.0)
-    return LlamaConfig(**common, intermediate_size=cfg.hidden)
+        return MixtralForCausalLM, MixtralConfig(
+            **common, intermediate_size=cfg.moe.expert_hidden or cfg.hidden, num_local_experts=cfg.moe.n_experts,
+            num_experts_per_tok=cfg.moe.top_k, router_jitter_noise=0.0)
+    if cfg.qkv_bias:
+        return Qwen2ForCausalLM, Qwen2Config(**common, intermediate_size=cfg.hidden, use_sliding_window=False)
+    return LlamaForCausalLM, LlamaConfig(**common, intermediate_size=cfg.hidden)
 
 
 def hf_state_dict(model: UltraThink) -> dict[str, torch.Tensor]:
@@ -67,25 +70,25 @@ def hf_state_dict(model: UltraThink) -> dict[str, torch.Tensor]:
     for key, value in model.state_dict().items():
         if ".experts." in key or key.endswith(".select_bias"):
             continue
-        for old, new in RENAMES.items():
-            key = key.replace(old, new)
-        state["model.norm.weight" if key == "norm.weight" else key] = value
+        state[hf_name(key)] = value
     for i, moe in moe_layers(model).items():
         prefix = f"model.layers.{i}.mlp.experts."
         state[prefix + "gate_up_proj"] = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight])
                                                       for e in moe.experts])
         state[prefix + "down_proj"] = torch.stack([e.down_proj.weight for e in moe.experts])
-    state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    if model.cfg.tie_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state
 
 
 def to_hf(model: UltraThink) -> PreTrainedModel:
-    """The equivalent transformers model (Llama or Mixtral), in eval mode; ExportError if there is none."""
+    """The equivalent transformers model (Llama, Qwen2 or Mixtral) in the weights' dtype, in eval mode;
+    ExportError if there is none."""
     problems = incompatibilities(model)
     if problems:
         raise ExportError("cannot export to transformers:\n" + "\n".join(f"  - {p}" for p in problems))
-    config = hf_config(model)
-    hf = (MixtralForCausalLM if moe_layers(model) else LlamaForCausalLM)(config)
+    cls, config = architecture(model)
+    hf = cls._from_config(config, dtype=model.embed.weight.dtype)
     hf.load_state_dict(hf_state_dict(model), strict=True)
     return hf.eval()
 

@@ -8,6 +8,7 @@ import torch
 
 from ultrathink.device import DeviceLike, place
 from ultrathink.model.model import KVCache, UltraThink
+from ultrathink.scoring import document_prefix
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
@@ -78,11 +79,12 @@ def generate(model: UltraThink, idx: torch.Tensor, max_new_tokens: int, temperat
 
 def stream_text(model: UltraThink, tokenizer, prompt: str, max_new_tokens: int, temperature: float,
                 top_k: int | None, seed: int, top_p: float | None = None,
-                device: DeviceLike | None = None) -> Iterator[str]:
+                device: DeviceLike | None = None, document: bool = True) -> Iterator[str]:
     """The continuation of `prompt` as text, piece by piece as tokens come, stopping at end-of-text. A piece is
     held back while it ends inside a multi-byte character (byte-level tokens can split one). Runs on `device` (the
     model is moved there) or, when None, on the model's device."""
-    ids = tokenizer.encode(prompt, add_special_tokens=False) or [tokenizer.eos_token_id]
+    prefix = document_prefix(tokenizer) if document else []  # a chat's template writes its own BOS
+    ids = prefix + tokenizer.encode(prompt, add_special_tokens=False) or [tokenizer.eos_token_id]
     new: list[int] = []
     shown = ""
     prompt_ids = torch.tensor([ids], dtype=torch.long, device=place(model, device))

@@ -24,7 +24,8 @@ from safetensors import safe_open
 
 from ultrathink.config import ModelConfig
 from ultrathink.config.schema import RopeScaling
-from ultrathink.hashing import files_hash
+from ultrathink.errors import StageError
+from ultrathink.hashing import file_sha256, files_hash
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ OURS_TO_HF = (("embed.", "model.embed_tokens."), ("blocks.", "model.layers."), (
               ("mlp_norm", "post_attention_layernorm"), (".attn.", ".self_attn."), (".mlp.router.", ".mlp.gate."))
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(StageError):
     """The checkpoint uses something the UltraThink model cannot compute; the message names the config key."""
 
 
@@ -170,9 +171,10 @@ def weight_files(directory: str | Path) -> list[Path]:
 
 
 def weights_sha256(directory: str | Path) -> str:
-    """The weights' identity: sha256 over the safetensors files (16 digits)."""
+    """The weights' identity: the sha256 of the safetensors file, or over a sharded checkpoint's files."""
     directory = Path(directory)
-    return files_hash(directory, [p.name for p in weight_files(directory)])
+    files = weight_files(directory)
+    return file_sha256(files[0]) if len(files) == 1 else files_hash(directory, [p.name for p in files])
 
 
 # Tensors a checkpoint may carry that UltraThink derives instead (old Llama checkpoints store the rotary table).

@@ -26,12 +26,19 @@ from safetensors.torch import load_file, save_file
 from ultrathink.config import ModelConfig
 from ultrathink.config.schema import RopeScaling
 from ultrathink.device import resolve_device
+from ultrathink.hashing import file_sha256
 from ultrathink.model import hf
 from ultrathink.model.kernels import AttentionKernel
 from ultrathink.model.routing import Records, RoutingModule, StepStats, numel, prefixed, variant_classes
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+
+
+def weights_sha256(model_dir: str | Path) -> str:
+    """The identity of a model directory's weights (ours, or a Hugging Face checkpoint's, sharded or not)."""
+    model_dir = Path(model_dir)
+    return hf.weights_sha256(model_dir) if hf.is_hf_checkpoint(model_dir) else file_sha256(model_dir / WEIGHTS_FILE)
 
 
 class RMSNorm(nn.Module):

@@ -34,6 +34,7 @@ def run(params: Params) -> None:
 
 def finetune(params: Params) -> None:
     import mlflow
+    import torch
 
     from ultrathink.data.validation import CorpusValidationError, validate_pairs
     from ultrathink.model.chat import chat_tokenizer
@@ -57,7 +58,7 @@ def finetune(params: Params) -> None:
     base = resolve_base(params)
     tokenizer = chat_tokenizer(base.tokenizer_dir)
     dist = Distributed(device=str(resolve_device()))  # one process, on the GPU when there is one
-    base_model = UltraThink.from_pretrained(base.model_dir).to(dist.device)
+    base_model = UltraThink.from_pretrained(base.model_dir, dist.device, torch.float32)
     before = score(base_model, tokenizer, val_chats)
     shown = val_chats[: ft.samples]
     answers_before = sample_answers(base_model, tokenizer, shown, params)
@@ -84,6 +85,9 @@ def finetune(params: Params) -> None:
                    "ft_trainable_params": float(trainable), "ft_trainable_share": trainable / total,
                    "ft_train_pairs": float(len(train_chats)), "ft_heldout_pairs": float(len(val_chats)),
                    "ft_train_seconds": result.seconds}
+        if setup.quantized:  # the frozen base's adapted weights, fp32 vs quantized (finetune.quantize)
+            metrics.update(ft_base_weight_bytes=float(setup.quantized[0]),
+                           ft_base_quantized_bytes=float(setup.quantized[1]))
         mlflow.log_metrics(metrics)
         samples = [{"prompt": chat[-2]["content"], "reference": chat[-1]["content"], "before": b, "after": a}
                    for chat, b, a in zip(shown, answers_before, answers_after)]
@@ -101,7 +105,9 @@ def finetune(params: Params) -> None:
     report = {"enabled": True, **metrics, "mlflow_run_id": run.info.run_id, "base_model": base.pinned,
               "seconds": round(time.perf_counter() - started, 2), "gate": gate.to_dict(), "samples": samples}
     atomic_write_json(p.finetune_report, report)
-    print(f"finetune: {ft.method} on {len(train_chats)} pairs from {base.pinned}, {result.step} steps "
+    quantized = (f", base {ft.quantize}: adapted weights {setup.quantized[0] / 2**20:.1f} → "
+                 f"{setup.quantized[1] / 2**20:.1f} MiB" if setup.quantized else "")
+    print(f"finetune: {ft.method}{quantized} on {len(train_chats)} pairs from {base.pinned}, {result.step} steps "
           f"({trainable:,} of {total:,} weights trained, {trainable / total:.2%}); held-out answers: loss "
           f"{before.loss:.4f} → {after.loss:.4f}, bits/byte {before.bits_per_byte:.4f} → {after.bits_per_byte:.4f}")
     for s in samples:

@@ -1,14 +1,26 @@
 """tokenizer: train a byte-level BPE on the training split of the validated corpus (the validation text, chosen
-exactly as prepare's split chooses it, stays unseen); save a directory transformers can load."""
+exactly as prepare's split chooses it, stays unseen), or take tokenizer.pretrained's as it is; save a directory
+transformers can load."""
 
 from pathlib import Path
 
 from ultrathink.config import Params
 from ultrathink.data.packing import training_texts
-from ultrathink.tokenizer import train_tokenizer
+from ultrathink.errors import StageError
+from ultrathink.scoring import document_prefix
+from ultrathink.tokenizer import copy_pretrained, train_tokenizer
 
 
 def run(params: Params) -> None:
+    if params.tokenizer.pretrained:
+        try:
+            tokenizer = copy_pretrained(params.tokenizer.pretrained, Path(params.paths.tokenizer_dir))
+        except (OSError, ValueError) as exc:
+            raise StageError(str(exc)) from None
+        before = tokenizer.convert_ids_to_tokens(document_prefix(tokenizer)) or "nothing"
+        print(f"tokenizer: {params.tokenizer.pretrained} taken as it is (vocab {len(tokenizer):,}; documents "
+              f"framed as {before} + text + {tokenizer.eos_token}) saved to {params.paths.tokenizer_dir}")
+        return
     texts = training_texts(Path(params.paths.validated_corpus), params.prepare)
     vocab_size = train_tokenizer(texts, params.tokenizer, Path(params.paths.tokenizer_dir))
     chosen = " (tokenizer.vocab_size auto, from the corpus size)" if params.tokenizer.vocab_size == "auto" else ""

@@ -28,7 +28,7 @@ from ultrathink.train.plan import Decided, Plan, PlanBook, apply_plan, plan_run
 from ultrathink.train.precision import keep_freed_host_memory, use_deterministic_kernels
 from ultrathink.train.trainer import Deadline, Trainer, ready_model
 from ultrathink.train.warm_start import (LINEAGE_FILE, Parent, WarmStartError, check_optimizer, find_parent,
-                                        load_parent_weights)
+                                        load_parent_weights, open_model_config)
 
 log = logging.getLogger(__name__)
 
@@ -70,23 +70,26 @@ def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[
     tokenizer_dir = tokenizer_dir if (tokenizer_dir / "tokenizer.json").is_file() else None
     tok_sha = meta.get("tokenizer_sha256") or (tokenizer_hash(tokenizer_dir) if tokenizer_dir else None)
     parent = resolve_parent(cfg.init_from, Path(p.model_dir)) if cfg.init_from else None
+    model_base, vocab_size = params.model, meta["vocab_size"]
+    if parent is not None and parent.open_model:  # continued pretraining: the parent's architecture
+        model_base, vocab_size = open_model_config(parent, params.model, meta["vocab_size"])
     train_tokens, val_tokens = load_split(prepared, "train"), load_split(prepared, "val")
     decided = None
     if dist.is_main:
-        decided = plan_run(params.model, cfg, meta["vocab_size"], train_tokens, val_tokens, dist.device,
+        decided = plan_run(model_base, cfg, vocab_size, train_tokens, val_tokens, dist.device,
                            dist.world_size, PlanBook(p.train_plan))
     shared = dist.share({"plan": decided.plan.to_dict(), "measured": decided.measured} if dist.is_main else None)
     plan = Plan.from_dict(shared["plan"])
     if not dist.is_main:  # it follows the main rank's plan and, under a time budget, its revisions
         decided = Decided(plan, shared["measured"], {}, None, "")
-    model_cfg, cfg = apply_plan(plan, params.model, cfg)
+    model_cfg, cfg = apply_plan(plan, model_base, cfg)
     fingerprint = Fingerprint(training_params_hash(params.model, params.train), directory_hash(prepared),
                               code_hash(TRAINING_CODE), parent.weights_sha256 if parent else "none",
                               json_hash(plan.decisions()))
     checkpoints = CheckpointManager(p.checkpoint_dir, fingerprint, cfg.keep_checkpoints, cfg.keep_configs,
                                     extra={"tokenizer_sha256": tok_sha, "optimizer": cfg.optimizer})
     torch.manual_seed(cfg.seed)
-    model = UltraThink(model_cfg, meta["vocab_size"])
+    model = UltraThink(model_cfg, vocab_size)
     if parent is not None:
         load_parent_weights(parent, model, tok_sha, tokenizer_dir)
         if cfg.init_optimizer:
