@@ -27,28 +27,38 @@ TEXTS = ["def f(x):\n    return x + 1", "The class statement defines a class.", 
          "Python is a programming language that lets you work quickly."] * 30
 
 
+SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>"]
+
+
+def pair_bpe() -> Tokenizer:
+    """A byte-level BPE whose vocabulary is every byte and every pair of bytes (65,794 tokens): ids past 65,535, as
+    Llama 3's 128,256-token vocabulary has. The pairs of "the cat sat on the mat" come last: they get ids > 65,535."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    last = {("t", "h"), ("h", "e"), ("c", "a"), ("a", "t"), ("s", "a"), ("o", "n"), ("m", "a")}
+    pairs = sorted(((a, b) for a in alphabet for b in alphabet), key=lambda p: p in last)
+    vocab = {token: i for i, token in enumerate([*SPECIALS, *alphabet, *(a + b for a, b in pairs)])}
+    return Tokenizer(models.BPE(vocab=vocab, merges=pairs))
+
+
 def tokenizer(vocab_size: int = 384, bos: bool = True, chat_template: str | None = None,
-              filler: int = 0, words: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+              large: bool = False) -> PreTrainedTokenizerFast:
     """A byte-level BPE in the Llama 3 style: <|begin_of_text|> added before each text when `bos`, <|end_of_text|>
-    as EOS. `filler` reserved special tokens and then `words` as added tokens push ids past 65,535 (Llama 3's
-    vocabulary is 128,256)."""
-    bpe = Tokenizer(models.BPE())
+    as EOS; trained on TEXTS, or `large` (pair_bpe)."""
+    bpe = pair_bpe() if large else Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(TEXTS, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    if not large:
+        bpe.train_from_iterator(TEXTS, trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False))
+    else:
+        bpe.add_special_tokens(SPECIALS)
     if bos:
         bpe.post_processor = processors.TemplateProcessing(
             single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B",
             special_tokens=[("<|begin_of_text|>", 0)])
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|begin_of_text|>",
-                                      eos_token="<|end_of_text|>", chat_template=chat_template)
-    if filler:
-        wrapped.add_special_tokens({"additional_special_tokens": [f"<|reserved_{i}|>" for i in range(filler)]})
-    if words:
-        wrapped.add_tokens(list(words))
-    return wrapped
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|begin_of_text|>",
+                                   eos_token="<|end_of_text|>", chat_template=chat_template)
 
 
 def perturb(model: torch.nn.Module, seed: int = 0) -> None:

@@ -88,7 +88,7 @@ def test_a_long_chat_keeps_its_answer_and_loses_the_prompt_start():
 def test_the_answer_only_loss_is_the_mean_over_answer_targets(assets):
     tokenizer, model = chat_tok(assets), UltraThink.from_pretrained(assets / "model").eval()
     chats = [CHAT[2:], [user("Tell me about the mat."), assistant("The cat sat on it.")]]
-    x, y, n_bytes = chat_rows(tokenizer, chats, model.cfg.seq_len + 1, tokenizer.pad_token_id)
+    x, y, n_bytes = chat_rows(tokenizer, chats, model.cfg.seq_len + 1)
     with torch.no_grad():
         logits = model(x).logits
     manual, count = 0.0, 0

@@ -164,3 +164,79 @@ def test_cli_refuses_an_unsupported_checkpoint_by_name(tmp_path):
     result = cli("eval", "--model", str(directory), "--text-file", __file__, "--params", str(tmp_path / "none"),
                  "--device", "cpu")
     assert result.exit_code == 1 and "model_type 'gemma'" in result.output, result.output
+
+
+# ---- an open model's tokenizer through prepare and scoring -------------------------------------------------------
+def test_a_large_vocabulary_with_bos_survives_prepare_and_scoring(tmp_path):
+    """Ids above 65,535 (Llama 3's 128,256-token vocabulary) are packed as uint32, and each document is framed as
+    the tokenizer frames a text: its BOS, the text, EOS. Scoring frames the documents the same way."""
+    from hf_models import tokenizer
+
+    from ultrathink.config import PrepareConfig, TokenizerConfig
+    from ultrathink.data.packing import prepare_splits
+    from ultrathink.data.tokens import load_split, read_meta
+    from ultrathink.scoring import encode_documents
+    from ultrathink.tokenizer import copy_pretrained, load_tokenizer
+
+    tokenizer(large=True).save_pretrained(tmp_path / "open")
+    copy_pretrained(tmp_path / "open", tmp_path / "tok")
+    tok = load_tokenizer(tmp_path / "tok")
+    assert len(tok) > 65_536 and max(tok("The cat sat on the mat").input_ids) > 65_535
+    docs = [f"The cat {i} sat on the mat." for i in range(60)]
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    meta = prepare_splits(tmp_path / "corpus.jsonl", tmp_path / "tok", PrepareConfig(val_fraction=0.2, workers=1),
+                          tmp_path / "prep")
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] == len(tok)
+    train = load_split(tmp_path / "prep", "train")[:]
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    starts = [0, *(i + 1 for i in range(len(train) - 1) if train[i] == eos)]
+    assert all(train[i] == bos for i in starts) and len(starts) == read_meta(tmp_path / "prep")["train"]["documents"]
+    assert train.max() > 65_535 and train.max() < len(tok)
+    first = tok.decode(train[: list(train).index(eos) + 1].tolist())
+    assert first.startswith("<|begin_of_text|>The cat") and first.endswith("<|end_of_text|>")
+    stream = encode_documents(tok, docs[:2]).tolist()
+    assert stream == [eos, *tok(docs[0]).input_ids, eos, *tok(docs[1]).input_ids, eos]
+
+
+def test_copy_pretrained_needs_a_fast_tokenizer_with_an_eos(tmp_path):
+    from hf_models import tokenizer
+
+    from ultrathink.tokenizer import copy_pretrained
+
+    with pytest.raises(FileNotFoundError, match="holds no tokenizer.json"):
+        copy_pretrained(tmp_path, tmp_path / "out")
+    no_eos = tokenizer()
+    no_eos.eos_token = None
+    no_eos.save_pretrained(tmp_path / "noeos")
+    with pytest.raises(ValueError, match="has no eos_token"):
+        copy_pretrained(tmp_path / "noeos", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# ---- continued pretraining: the architecture is the parent's ------------------------------------------------------
+@pytest.mark.parametrize("model, message", [
+    ({"d_model": 32}, r"model.d_model: 32 \(the parent's: 64\)"),
+    ({"rope_theta": 123.0}, r"model.rope_theta: 123.0 \(the parent's: 50000.0\)"),
+    ({"seq_len": 4096}, "model.seq_len 4096 exceeds the parent's context 128"),
+    ({"size": "auto"}, "model.size auto sizes a new model"),
+    ({"moe": {"enabled": True}}, "model.moe enabled"),
+])
+def test_open_parent_settings_that_disagree_are_named(tmp_path, model, message):
+    from ultrathink.config import ModelConfig
+    from ultrathink.train.warm_start import WarmStartError, find_parent, open_model_config
+
+    directory = save_family("llama", tmp_path / "m")
+    parent = find_parent(directory, "models/m")
+    assert parent.open_model and parent.tokenizer_dir == directory
+    with pytest.raises(WarmStartError, match=message):
+        open_model_config(parent, ModelConfig(**model), 300)
+
+
+def test_open_parent_config_takes_the_run_context_and_dropout(tmp_path):
+    from ultrathink.config import ModelConfig
+    from ultrathink.train.warm_start import find_parent, open_model_config
+
+    directory = save_family("qwen2", tmp_path / "m")
+    cfg, vocab = open_model_config(find_parent(directory, "m"), ModelConfig(seq_len=64, dropout=0.05), 384)
+    assert (cfg.d_model, cfg.n_layers, cfg.n_kv_heads, cfg.hidden, cfg.seq_len, cfg.dropout) == (64, 2, 2, 96, 64, 0.05)
+    assert cfg.qkv_bias and not cfg.tie_embeddings and cfg.rope_theta == 1e6 and vocab == 384

@@ -146,10 +146,12 @@ def fit_window(ids: list[int], answer: list[bool], window: int) -> tuple[list[in
     return ids[start : start + window], answer[start : start + window]
 
 
-def chat_rows(tokenizer, conversations, window: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(x, y, answer bytes): x and y of shape (N, window - 1), each chat fitted to the window and padded, y IGNORE
+def chat_rows(tokenizer, conversations, window: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(x, y, answer bytes): x and y of shape (N, window - 1), each chat fitted to the window and padded (with the
+    pad token, or EOS for a tokenizer without one, as Llama's: padded inputs come after every target), y IGNORE
     except on answer tokens; and the UTF-8 bytes of the answer text those targets spell (a cropped answer counts
     only what was kept). On the CPU: the scorers put them on the model's device."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     xs, ys, n_bytes = [], [], 0
     for messages in conversations:
         ids, answer = fit_window(*encode_conversation(tokenizer, messages), window)
@@ -176,7 +178,7 @@ def score_conversations(model, tokenizer, conversations, batch_size: int = 8, co
     if not conversations:
         raise ValueError("no chats: there is nothing to score")
     device = next(model.parameters()).device
-    x, y, n_bytes = chat_rows(tokenizer, conversations, model.cfg.seq_len + 1, tokenizer.pad_token_id)
+    x, y, n_bytes = chat_rows(tokenizer, conversations, model.cfg.seq_len + 1)
     x, y = x.to(device), y.to(device)
     batches = ((x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, len(x), batch_size))
     loss, predicted = mean_loss(model, batches, context)

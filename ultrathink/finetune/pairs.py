@@ -161,7 +161,7 @@ class ChatBatches(OrderedBatches):
     the answers; the position is (seed, epoch, position), so a resumed run reads the same batches."""
 
     def __init__(self, tokenizer, chats: list[list[dict]], seq_len: int, batch_size: int, seed: int):
-        self.x, self.y, _ = chat_rows(tokenizer, chats, seq_len + 1, tokenizer.pad_token_id)
+        self.x, self.y, _ = chat_rows(tokenizer, chats, seq_len + 1)
         self.seq_len, self.batch_size = seq_len, min(batch_size, len(chats))
         self.order = EpochOrder(len(self.x), seed)
 
@@ -174,7 +174,7 @@ class ChatEval:
     """Held-out chats for the Trainer's validation: every row, in order, answer tokens only."""
 
     def __init__(self, tokenizer, chats: list[list[dict]], seq_len: int):
-        self.x, self.y, _ = chat_rows(tokenizer, chats, seq_len + 1, tokenizer.pad_token_id)
+        self.x, self.y, _ = chat_rows(tokenizer, chats, seq_len + 1)
 
     def eval_batches(self, batch_size: int, max_batches: int | None = None):
         for n, i in enumerate(range(0, len(self.x), batch_size)):

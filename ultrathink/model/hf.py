@@ -9,6 +9,9 @@ the context — is refused before any weight is read, naming the config key and 
 
 Weights are read with safetensors only (a pytorch_model.bin would be unpickled: refused), shard by shard when the
 checkpoint is sharded (model.safetensors.index.json), straight into the model's parameters: no second full copy.
+They are read into memory (safetensors' pread backend), not mapped: a mapped parameter would be the file itself, so
+rewriting the checkpoint in place (cp over it) would change or crash a loaded model, and a cast would keep the
+mapped pages next to the cast copy (1.5× the fp32 weights measured, 1.01× read; benchmarks/import_memory.py).
 This module knows nothing of the UltraThink class (model.py imports it), only of names and shapes.
 """
 
@@ -183,13 +186,13 @@ DERIVED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 def read_weights(directory: str | Path, expected: dict[str, torch.Tensor],
                  dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors under our names, file by file (memory-mapped; a file's pages are released once its
-    tensors are taken), cast to `dtype` when given. `expected` (a state_dict, may be on the meta device) names the
+    """The checkpoint's tensors under our names, file by file (read, not mapped: see the module's docstring), cast
+    to `dtype` when given. `expected` (a state_dict, may be on the meta device) names the
     tensors and shapes the model has; anything missing, extra or of another shape is an error naming it."""
     state: dict[str, torch.Tensor] = {}
     tied = "lm_head.weight" not in expected
     for path in weight_files(directory):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with safe_open(str(path), framework="pt", device="cpu", backend="pread") as f:
             for key in f.keys():
                 name = our_name(key)
                 if DERIVED.search(key) or (tied and name == "lm_head.weight"):

@@ -105,8 +105,8 @@ def finetune(params: Params) -> None:
     report = {"enabled": True, **metrics, "mlflow_run_id": run.info.run_id, "base_model": base.pinned,
               "seconds": round(time.perf_counter() - started, 2), "gate": gate.to_dict(), "samples": samples}
     atomic_write_json(p.finetune_report, report)
-    quantized = (f", base {ft.quantize}: adapted weights {setup.quantized[0] / 2**20:.1f} → "
-                 f"{setup.quantized[1] / 2**20:.1f} MiB" if setup.quantized else "")
+    quantized = (f", base {ft.quantize}: adapted weights {setup.quantized[0] / 2**20:.3g} → "
+                 f"{setup.quantized[1] / 2**20:.3g} MiB" if setup.quantized else "")
     print(f"finetune: {ft.method}{quantized} on {len(train_chats)} pairs from {base.pinned}, {result.step} steps "
           f"({trainable:,} of {total:,} weights trained, {trainable / total:.2%}); held-out answers: loss "
           f"{before.loss:.4f} → {after.loss:.4f}, bits/byte {before.bits_per_byte:.4f} → {after.bits_per_byte:.4f}")
