@@ -147,6 +147,33 @@ def test_the_stage_and_eval_agree_on_the_same_text(project):
     assert f"{int(stage['val_tokens_scored']):,} tokens" in out
 
 
+def test_export_takes_a_checkpoint_or_a_registered_version(project, tmp_path):
+    """`ultrathink export --model` a training checkpoint (with the run's tokenizer, checked against the one it was
+    trained with) or an MLflow URI: transformers computes what the model computes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ultrathink.model import UltraThink
+
+    best = next((project / "artifacts" / "checkpoints").glob("*/best"))
+    ours = UltraThink.from_pretrained(project / "artifacts" / "model")
+    ids = torch.tensor([[1, 5, 9, 42, 7, 3]])
+    for model in (str(best), "models:/ultrathink@champion"):
+        out = tmp_path / model.replace("/", "_").replace(":", "_")
+        shown = sh(["ultrathink", "export", "--model", model, "--out", str(out)], project).stdout
+        assert "LlamaForCausalLM" in shown, shown
+        with torch.no_grad():
+            exported = AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
+            assert (exported - ours(ids).logits).abs().max() <= 1e-4, model
+    from hf_models import tokenizer
+
+    tokenizer().save_pretrained(tmp_path / "other")  # a checkpoint read with another tokenizer than its own
+    refused = sh(["ultrathink", "export", "--model", str(best), "--out", str(tmp_path / "no"), "-S",
+                  f"paths.tokenizer_dir={tmp_path / 'other'}"], project, check=False)
+    assert refused.returncode == 1 and "trained with tokenizer" in " ".join(refused.stderr.split()), refused.stderr
+    assert not (tmp_path / "no").exists()
+
+
 def test_queued_sweep_lands_in_the_project_store_and_the_best_is_champion(project):
     before = {v.version for v in client_for(project).search_model_versions("name='ultrathink'")}
     sh(["dvc", "exp", "run", "--queue", "-S", "train.lr=0.002,0.03", "-S", "train.max_steps=8",
