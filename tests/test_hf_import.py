@@ -172,7 +172,7 @@ def test_a_large_vocabulary_with_bos_survives_prepare_and_scoring(tmp_path):
     the tokenizer frames a text: its BOS, the text, EOS. Scoring frames the documents the same way."""
     from hf_models import tokenizer
 
-    from ultrathink.config import PrepareConfig, TokenizerConfig
+    from ultrathink.config import PrepareConfig
     from ultrathink.data.packing import prepare_splits
     from ultrathink.data.tokens import load_split, read_meta
     from ultrathink.scoring import encode_documents
@@ -240,3 +240,40 @@ def test_open_parent_config_takes_the_run_context_and_dropout(tmp_path):
     cfg, vocab = open_model_config(find_parent(directory, "m"), ModelConfig(seq_len=64, dropout=0.05), 384)
     assert (cfg.d_model, cfg.n_layers, cfg.n_kv_heads, cfg.hidden, cfg.seq_len, cfg.dropout) == (64, 2, 2, 96, 64, 0.05)
     assert cfg.qkv_bias and not cfg.tie_embeddings and cfg.rope_theta == 1e6 and vocab == 384
+
+
+def test_a_sentencepiece_style_tokenizer_packs_each_document_as_it_encodes_it(tmp_path):
+    """Llama 2's tokenizer (Metaspace: '▁' for spaces, one prepended to a text; <s> before it) is not cut at line
+    starts like our byte-level BPE: every packed document is exactly tokenizer(document) followed by EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_models import TEXTS
+
+    from ultrathink.config import PrepareConfig
+    from ultrathink.data.packing import cuts_at_line_starts, prepare_splits
+    from ultrathink.data.tokens import load_split
+
+    docs = [f"Line one of {i}.\nLine two, indented:\n  x = {i}\nThe end." for i in range(40)]
+    spm = Tokenizer(models.BPE(unk_token="<unk>"))
+    spm.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    spm.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    spm.train_from_iterator(TEXTS + docs, trainers.BpeTrainer(  # every character seen: no <unk>
+        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    spm.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=spm, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    assert not cuts_at_line_starts(tok)
+    tok.save_pretrained(tmp_path / "tok")
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    prepare_splits(tmp_path / "corpus.jsonl", tmp_path / "tok", PrepareConfig(val_fraction=0.2, workers=1),
+                   tmp_path / "prep")
+    packed = [load_split(tmp_path / "prep", split)[:].tolist() for split in ("train", "val")]
+    expected = sorted(tuple(tok(d).input_ids + [tok.eos_token_id]) for d in docs)
+    documents = []
+    for ids in packed:
+        start = 0
+        for i, t in enumerate(ids):
+            if t == tok.eos_token_id:
+                documents.append(tuple(ids[start : i + 1]))
+                start = i + 1
+    assert sorted(documents) == expected and expected[0][0] == tok.bos_token_id
