@@ -32,6 +32,12 @@ def project(trained_project, tmp_path) -> Path:
     return copy_project(trained_project, tmp_path)
 
 
+@pytest.fixture(scope="module")
+def read_only(trained_project, tmp_path_factory) -> Path:
+    """One copy shared by the tests that only read the trained project (a copy costs ~30 s)."""
+    return copy_project(trained_project, tmp_path_factory.mktemp("read_only"))
+
+
 def metrics(project: Path) -> dict:
     return json.loads((project / "reports/metrics.json").read_text())
 
@@ -137,7 +143,8 @@ def test_a_mismatched_warm_start_fails_before_training_naming_the_tensors(projec
     assert "step 1" not in failed.stdout + failed.stderr
 
 
-def test_the_stage_and_eval_agree_on_the_same_text(project):
+def test_the_stage_and_eval_agree_on_the_same_text(read_only):
+    project = read_only
     docs = [json.loads(line)["text"] for line in (project / "data/prepared/val.jsonl").read_text().splitlines()]
     (project / "val.txt").write_text("\n\n".join(docs) + "\n", encoding="utf-8")
     out = sh(["ultrathink", "eval", "--model", "artifacts/model", "--text-file", "val.txt"], project).stdout
@@ -147,9 +154,10 @@ def test_the_stage_and_eval_agree_on_the_same_text(project):
     assert f"{int(stage['val_tokens_scored']):,} tokens" in out
 
 
-def test_export_takes_a_checkpoint_or_a_registered_version(project, tmp_path):
+def test_export_takes_a_checkpoint_or_a_registered_version(read_only, tmp_path):
     """`ultrathink export --model` a training checkpoint (with the run's tokenizer, checked against the one it was
     trained with) or an MLflow URI: transformers computes what the model computes."""
+    project = read_only
     import torch
     from transformers import AutoModelForCausalLM
 
