@@ -232,6 +232,19 @@ def test_open_parent_settings_that_disagree_are_named(tmp_path, model, message):
         open_model_config(parent, ModelConfig(**model), 300)
 
 
+def test_an_open_parent_with_another_tokenizer_says_which_to_use(tmp_path):
+    from ultrathink.config import ModelConfig, TokenizerConfig
+    from ultrathink.tokenizer import tokenizer_hash, train_tokenizer
+    from ultrathink.train.warm_start import WarmStartError, find_parent, load_parent_weights, open_model_config
+
+    directory = save_family("llama", tmp_path / "m")
+    train_tokenizer(["some other text to learn from"] * 50, TokenizerConfig(vocab_size=300), tmp_path / "ours")
+    parent = find_parent(directory, "models/m")
+    cfg, vocab = open_model_config(parent, ModelConfig(), 300)
+    with pytest.raises(WarmStartError, match=r"another tokenizer.*tokenizer.pretrained: models/m"):
+        load_parent_weights(parent, UltraThink(cfg, vocab), tokenizer_hash(tmp_path / "ours"), tmp_path / "ours")
+
+
 def test_open_parent_config_takes_the_run_context_and_dropout(tmp_path):
     from ultrathink.config import ModelConfig
     from ultrathink.train.warm_start import find_parent, open_model_config

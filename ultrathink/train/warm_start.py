@@ -136,8 +136,9 @@ def _check_tokenizer(parent: Parent, expected: str | None, tokenizer_dir: Path |
         return
     detail = (vocab_difference(parent.tokenizer_dir, tokenizer_dir) if parent.tokenizer_dir and tokenizer_dir
               else f"tokenizer {parent.tokenizer_sha256} vs {expected}")
+    hint = f" (for an open model: tokenizer.pretrained: {parent.ref})" if parent.open_model else ""
     raise WarmStartError(f"train.init_from: {parent.ref} was trained with another tokenizer than this run's "
-                         f"(parent vs this run: {detail}); warm start needs the same tokenizer")
+                         f"(parent vs this run: {detail}); warm start needs the same tokenizer{hint}")
 
 
 def _check_tensors(parent: Parent, weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
