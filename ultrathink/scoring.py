@@ -117,8 +117,9 @@ def render_chat(tokenizer, messages, add_generation_prompt: bool = False) -> lis
 
 def encode_conversation(tokenizer, messages) -> tuple[list[int], list[bool]]:
     """(ids, answer): the chat's ids and, per id, whether it belongs to an assistant turn (its text and the EOS that
-    closes it, not what the template writes after that EOS): the tokens the loss is taken on. An assistant turn's ids are those that rendering the chat up to
-    and including it adds to rendering the chat before it with the generation prompt (the assistant's header)."""
+    closes it, not what the template writes after that EOS): the tokens the loss is taken on. An assistant turn's
+    ids are those that rendering the chat up to and including it adds to rendering the chat before it with the
+    generation prompt (the assistant's header)."""
     ids = render_chat(tokenizer, messages)
     answer = [False] * len(ids)
     for i, message in enumerate(messages):

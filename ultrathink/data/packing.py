@@ -104,7 +104,8 @@ def prepare_splits(corpus: Path, tokenizer_dir: Path, cfg: PrepareConfig, out_di
     plan = plan_splits(corpus, cfg)
     stats = {split: {"tokens": 0, "bytes": 0, "documents": 0} for split in SPLITS}
     with atomic_dir(out_dir) as tmp:
-        _write_token_files(corpus, plan, cfg, Path(tokenizer_dir), tmp, dtype, stats)
+        max_piece = _MAX_PIECE_CHARS if cuts_at_line_starts(tokenizer) else None
+        _write_token_files(corpus, plan, cfg, Path(tokenizer_dir), max_piece, tmp, dtype, stats)
         meta = {"dtype": dtype.name, "vocab_size": len(tokenizer), "eos_id": tokenizer.eos_token_id,
                 "tokenizer_sha256": tokenizer_hash(tokenizer_dir), "val_fraction": cfg.val_fraction,
                 **plan.describe(), **stats}
@@ -197,8 +198,8 @@ def _need_two(corpus: Path, n: int) -> None:
 
 # ---- the streaming writer ----------------------------------------------------------------------------------------
 
-def _write_token_files(corpus: Path, plan: SplitPlan, cfg: PrepareConfig, tokenizer_dir: Path, out: Path,
-                       dtype: np.dtype, stats: dict) -> None:
+def _write_token_files(corpus: Path, plan: SplitPlan, cfg: PrepareConfig, tokenizer_dir: Path,
+                       max_piece: int | None, out: Path, dtype: np.dtype, stats: dict) -> None:
     """Second pass: encode batches in worker processes, in order, appending each split's ids to its file."""
     workers = cfg.workers or os.cpu_count() or 1
     with ExitStack() as stack:
@@ -206,8 +207,7 @@ def _write_token_files(corpus: Path, plan: SplitPlan, cfg: PrepareConfig, tokeni
         val_text = stack.enter_context(open(out / VAL_TEXT_FILE, "w", encoding="utf-8"))
         bar = stack.enter_context(tqdm(total=text_bytes(corpus), unit="B", unit_scale=True,
                                        desc="prepare", disable=None))
-        cut = _MAX_PIECE_CHARS if cuts_at_line_starts(load_tokenizer(tokenizer_dir)) else None
-        batches = _batches(corpus, plan, cfg.batch_size, bar, cut)
+        batches = _batches(corpus, plan, cfg.batch_size, bar, max_piece)
         pending = ""  # val text of a document whose last piece is still to come
         for batch, encoded in _encode_in_order(batches, tokenizer_dir, dtype, workers, stack):
             for split, (ids, counts) in zip(SPLITS, encoded):

@@ -55,8 +55,8 @@ def quantize_base(model: UltraThink, mode: str, targets: list[str]) -> tuple[int
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
         # set_inductor_config=False: the default changes torch.compile's global settings for the whole process.
-        quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False),
-                  filter_fn=lambda module, name: any(module is m for m in layers))
+        chosen = set(layers)
+        quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False), filter_fn=lambda module, _: module in chosen)
     else:
         from torchao.quantization import to_nf4
 
