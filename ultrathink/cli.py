@@ -82,23 +82,48 @@ def _settings(params: Path, set_: Optional[list[str]]) -> Params:
 
 
 @app.command("eval")
-def eval_text(model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
-              text_file: Path = typer.Option(..., "--text-file", "-f", help="UTF-8 text to score"),
-              params: Path = PARAMS_OPT, set_: Optional[list[str]] = SET_OPT, device: str = DEVICE_OPT) -> None:
-    """Loss and bits per byte of a text file under a model and its own tokenizer, scored as the evaluate stage
-    scores (the file is split into documents by data.txt_unit, e.g. -S data.txt_unit=line)."""
-    from ultrathink.registry.models import evaluate_text_file
+def eval_model(model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
+               text_file: Optional[Path] = typer.Option(None, "--text-file", "-f", help="UTF-8 text to score"),
+               tasks: Optional[str] = typer.Option(None, "--tasks", "-t", help="lm-eval tasks, comma-separated: "
+                                                   "registered names, task YAML paths, heldout_continuation"),
+               limit: Optional[int] = typer.Option(None, "--limit", min=1, help="at most N examples per task"),
+               output: Optional[Path] = typer.Option(None, "--output", "-o", help="write lm-eval's results JSON "
+                                                     "here"),
+               params: Path = PARAMS_OPT, set_: Optional[list[str]] = SET_OPT, device: str = DEVICE_OPT) -> None:
+    """Score a model: bits per byte of a text file (--text-file; split into documents by data.txt_unit, scored as
+    the evaluate stage scores), and/or downstream tasks through lm-evaluation-harness (--tasks; a registered model
+    runs under its own code)."""
+    from ultrathink import downstream
+    from ultrathink.io import atomic_write_json
+    from ultrathink.registry.models import evaluate_text_file, resolve_model_files
 
+    if text_file is None and not tasks:
+        err.print("[bold red]error:[/] give --text-file FILE, --tasks T1,T2, or both", highlight=False)
+        raise typer.Exit(2)
     settings = _settings(params, set_)
     target = _device(device)
     try:
-        score = evaluate_text_file(model, text_file, settings.data.txt_unit, device=target,
-                                   tokenizer_dir=Path(settings.paths.tokenizer_dir))
+        if text_file is not None:
+            score = evaluate_text_file(model, text_file, settings.data.txt_unit, device=target,
+                                       tokenizer_dir=Path(settings.paths.tokenizer_dir))
+            print(f"loss {score.loss:.4f} nats/token  bits/byte {score.bits_per_byte:.4f}  perplexity "
+                  f"{score.perplexity:.2f}  ({score.tokens:,} tokens, {score.bytes:,} bytes, {score.documents:,} "
+                  f"documents)")
+        if tasks:
+            task_set = downstream.task_set([t.strip() for t in tasks.split(",") if t.strip()],
+                                           Path(settings.paths.tasks_dir))
+            files = resolve_model_files(model, Path("."), Path(settings.paths.tokenizer_dir))
+            results = downstream.evaluate_model(files, task_set, limit, settings.evaluate.batch_size, target)
+            if output is not None:
+                atomic_write_json(output, results)
+            table = Table("task", "metric", "value", "examples", title=f"{model}" + (f" (limit {limit})" if limit
+                                                                                     else ""))
+            for row in downstream.score_table(downstream.task_scores(results)):
+                table.add_row(*row)
+            Console(width=160).print(table)
     except StageError as exc:
         err.print(f"[bold red]eval failed:[/] {exc}", highlight=False)
         raise typer.Exit(1) from None
-    print(f"loss {score.loss:.4f} nats/token  bits/byte {score.bits_per_byte:.4f}  perplexity {score.perplexity:.2f}"
-          f"  ({score.tokens:,} tokens, {score.bytes:,} bytes, {score.documents:,} documents)")
 
 
 MODEL_REF_OPT = typer.Option(..., "--model", "-m", help=MODEL_HELP)
@@ -247,7 +272,8 @@ def _registry(name: Optional[str]):
 
 @registry_app.command("list")
 def registry_list(name: Optional[str] = MODEL_NAME_OPT) -> None:
-    """Every version: aliases, val_bpb and the text it was measured on, lineage, champion moves."""
+    """Every version: aliases, val_bpb and the text it was measured on, downstream task scores, lineage, champion
+    moves."""
     from ultrathink.registry.champion import champion_history, describe_versions
 
     client, model = _registry(name)
@@ -262,12 +288,27 @@ def registry_list(name: Optional[str] = MODEL_NAME_OPT) -> None:
     print(f"champion history (oldest first): {champion_history(client, model) or 'none'}")
 
 
+def _task_guard(model: str, version: int):
+    """registry.task_guard of params.yaml, with VERSION scored on the project's tasks under its own code."""
+    from ultrathink import downstream
+    from ultrathink.registry.promote import version_evidence
+
+    settings = _settings(PARAMS_OPT.default, None)
+    guard, cfg = settings.registry.task_guard, settings.evaluate
+    if not guard:
+        return None
+    tasks = downstream.task_set(cfg.tasks, Path(settings.paths.tasks_dir))
+    return version_evidence(model, version, tasks, cfg.task_limit, cfg.batch_size, dict(guard)).guard_for(model)
+
+
 @registry_app.command("promote")
 def registry_promote(version: int = typer.Argument(..., help="the version to make champion"),
-                     force: bool = typer.Option(False, "--force", help="skip the guard (the yardstick comparison)"),
+                     force: bool = typer.Option(False, "--force", help="skip the guards (the yardstick comparison, "
+                                                "registry.task_guard)"),
                      reason: Optional[str] = typer.Option(None, "--reason", "-r", help="why (recorded as a tag)"),
                      name: Optional[str] = MODEL_NAME_OPT) -> None:
-    """Make VERSION champion if it beats the champion on VERSION's own yardstick text (or always, with --force)."""
+    """Make VERSION champion if it beats the champion on VERSION's own yardstick text and, with registry.task_guard,
+    is not worse than it on a guarded task of the project's (or always, with --force)."""
     from mlflow.exceptions import MlflowException
 
     from ultrathink.registry.champion import RegistryError, actor, decide_and_move, version_yardstick
@@ -281,8 +322,8 @@ def registry_promote(version: int = typer.Argument(..., help="the version to mak
         else:
             yardstick = version_yardstick(target)
             decision = decide_and_move(client, model, version, float(target.tags["val_bpb"]), yardstick, Path("."),
-                                       actor())
-    except (RegistryError, KeyError, MlflowException) as exc:
+                                       actor(), guard=_task_guard(model, version))
+    except (StageError, KeyError, MlflowException) as exc:
         err.print(f"[bold red]registry promote failed:[/] {getattr(exc, 'message', exc)}", highlight=False)
         raise typer.Exit(1) from None
     print(f"{model} v{version}: {'champion' if decision.promoted else 'not promoted'} — {decision.reason}")

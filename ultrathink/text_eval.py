@@ -39,23 +39,46 @@ class ModelFiles:
     code_dir: Path | None = None  # the package snapshot logged with a registered model (holds `ultrathink/`)
 
 
-_SNAPSHOT_SCORER = """
+_SNAPSHOT_RUNNER = """
 import importlib.util, json, sys
-code_dir, scoring_file, model_dir, tokenizer_dir, documents_file, function, device = sys.argv[1:8]
+code_dir, request_file = sys.argv[1:3]
 sys.path.insert(0, code_dir)
 from ultrathink.model import UltraThink  # the model's own code
 assert UltraThink.__module__.startswith("ultrathink.") and sys.modules["ultrathink"].__file__.startswith(code_dir)
-spec = importlib.util.spec_from_file_location("ultrathink_yardstick", scoring_file)
-scoring = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
-spec.loader.exec_module(scoring)
+with open(request_file, encoding="utf-8") as f:
+    request = json.load(f)
+spec = importlib.util.spec_from_file_location(request["module_name"], request["module_file"])
+module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+spec.loader.exec_module(module)
 from transformers import AutoTokenizer
-tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-with open(documents_file, encoding="utf-8") as f:
-    documents = [json.loads(line)["item"] for line in f if line.strip()]
-model = UltraThink.from_pretrained(model_dir).to(device)  # .to: a snapshot's from_pretrained may take no device
-score = getattr(scoring, function)(model, tokenizer, documents)
-print(json.dumps(score.to_dict()))
+tokenizer = AutoTokenizer.from_pretrained(request["tokenizer_dir"], local_files_only=True)
+model = UltraThink.from_pretrained(request["model_dir"]).to(request["device"])  # a snapshot's may take no device
+result = getattr(module, request["function"])(model, tokenizer, **request["kwargs"])
+with open(request["result_file"], "w", encoding="utf-8") as f:
+    json.dump(result.to_dict() if hasattr(result, "to_dict") else result, f)
 """
+
+
+def run_under_model_code(files: ModelFiles, module, function: str, kwargs: dict, device: DeviceLike | None = None,
+                         what: str = "scoring") -> dict:
+    """`module.function(model, tokenizer, **kwargs)` (JSON in, JSON out) in a separate Python process whose
+    `ultrathink` package is the registered model's snapshot (files.code_dir); `module` is today's, loaded by path,
+    and imports nothing of the package (ultrathink/scoring.py, ultrathink/harness.py). A failure raises StageError
+    with the end of the process's stderr."""
+    with tempfile.TemporaryDirectory(prefix="ultrathink-score-") as tmp:
+        request = {"module_name": f"ultrathink_today_{Path(module.__file__).stem}", "module_file": module.__file__,
+                   "function": function, "kwargs": kwargs, "model_dir": str(files.model_dir.resolve()),
+                   "tokenizer_dir": str(files.tokenizer_dir.resolve()), "device": str(resolve_device(device)),
+                   "result_file": str(Path(tmp) / "result.json")}
+        (Path(tmp) / "request.json").write_text(json.dumps(request), encoding="utf-8")
+        # -P: the working directory (the project, whose own `ultrathink/` would shadow the snapshot) is not put on
+        # the path; it stays the working directory, so relative paths (task data files) mean what they say.
+        args = [sys.executable, "-P", "-c", _SNAPSHOT_RUNNER, str(files.code_dir.resolve()),
+                str(Path(tmp) / "request.json")]
+        done = subprocess.run(args, capture_output=True, text=True)
+        if done.returncode:
+            raise StageError(f"{what} {files.model_dir} under its own code failed: {done.stderr.strip()[-800:]}")
+        return json.loads(Path(request["result_file"]).read_text(encoding="utf-8"))
 
 
 def score_model(files: ModelFiles, documents, chats: bool = False, device: DeviceLike | None = None) -> TextScore:
@@ -64,18 +87,7 @@ def score_model(files: ModelFiles, documents, chats: bool = False, device: Devic
     documents are chats (messages lists), scored on their answers only (scoring.score_conversations). `device`:
     where the model runs (None or "auto": the GPU when there is one); an unavailable one raises DeviceError."""
     function = "score_conversations" if chats else "score_documents"
-    target = resolve_device(device)
     if files.code_dir is None:
-        return getattr(scoring, function)(UltraThink.from_pretrained(files.model_dir, device=target),
+        return getattr(scoring, function)(UltraThink.from_pretrained(files.model_dir, device=resolve_device(device)),
                                           load_tokenizer(files.tokenizer_dir), documents)
-    with tempfile.TemporaryDirectory(prefix="ultrathink-score-") as tmp:
-        documents_file = Path(tmp) / "documents.jsonl"
-        documents_file.write_text("".join(json.dumps({"item": d}) + "\n" for d in documents), encoding="utf-8")
-        args = [sys.executable, "-c", _SNAPSHOT_SCORER, str(files.code_dir.resolve()), scoring.__file__,
-                str(files.model_dir.resolve()), str(files.tokenizer_dir.resolve()), str(documents_file), function,
-                str(target)]
-        # Run from the temp dir so the project's own `ultrathink/` (the cwd) cannot shadow the snapshot.
-        done = subprocess.run(args, cwd=tmp, capture_output=True, text=True)
-    if done.returncode:
-        raise StageError(f"scoring {files.model_dir} under its own code failed: {done.stderr.strip()[-800:]}")
-    return TextScore(**json.loads(done.stdout.strip().splitlines()[-1]))
+    return TextScore(**run_under_model_code(files, scoring, function, {"documents": list(documents)}, device))

@@ -37,6 +37,10 @@ class PathsConfig(Section):
     tensorboard_dir: str = "reports/tensorboard"  # train.tensorboard: one folder per MLflow run
     val_curve: str = "reports/val_curve.csv"
     samples: str = "reports/samples.json"
+    tasks_dir: str = "reports/tasks"  # the built-in task (lm-eval YAML + its data), written by evaluate
+    task_results: str = "reports/lm_eval.json"  # lm-eval's results of evaluate.tasks
+    report: str = "reports/report.md"  # the run's report card (model, data, plan, metrics, samples, plots)
+    plots_dir: str = "reports/plots"  # the report card's PNGs
     promotion: str = "reports/promotion.json"
     finetuned_dir: str = "artifacts/finetuned"  # model/ (LoRA merged), tokenizer/ (with the chat template), held-out pairs
     finetune_checkpoint_dir: str = "artifacts/finetune_checkpoints"
@@ -440,6 +444,21 @@ class EvaluateConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: sample among the most likely tokens that "
                          "hold this share of the probability; 1 = no cut")
     seed: int = 0
+    tasks: list[str] = Field(
+        default_factory=lambda: ["heldout_continuation"], description="downstream tasks run through "
+        "lm-evaluation-harness: registered lm-eval names (their datasets must be in the Hugging Face cache: runs "
+        "are offline), or paths of task YAML files in lm-eval's format under eval_tasks/ (local data files); "
+        "heldout_continuation is built from the val documents (ultrathink/downstream.py); [] runs none")
+    task_limit: int | None = Field(None, ge=1, description="at most this many examples per task (quick runs); "
+                                   "null: all")
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks_unique(cls, tasks: list[str]) -> list[str]:
+        repeated = sorted({t for t in tasks if tasks.count(t) > 1})
+        if repeated:
+            raise ValueError(f"listed more than once: {', '.join(repeated)}")
+        return tasks
 
 
 class LoraSettings(Section):
@@ -517,6 +536,19 @@ class RegistryConfig(Section):
     finetuned_name: str = Field("ultrathink-chat", min_length=1, description="registered name of the fine-tuned "
                                 "models (their champion is judged on held-out pairs, response tokens only)")
     experiment: str = Field("ultrathink", min_length=1)
+    task_guard: dict[str, float] = Field(
+        default_factory=dict, description="{task: max_drop} or {task/metric: max_drop}: a challenger that beats the "
+        "champion on bits per byte is still refused if its score on a listed task of evaluate.tasks (its first "
+        "metric, or the one named) is worse than the champion's by more than max_drop, both scored on the "
+        "challenger's task data under their own code; {}: bits per byte alone")
+
+    @field_validator("task_guard")
+    @classmethod
+    def _drops_not_negative(cls, guard: dict[str, float]) -> dict[str, float]:
+        negative = [k for k, v in guard.items() if not v >= 0]
+        if negative:
+            raise ValueError(f"max_drop must be 0 or more (got {', '.join(f'{k}: {guard[k]}' for k in negative)})")
+        return guard
 
 
 class LoggingConfig(Section):
@@ -569,6 +601,16 @@ class Params(Section):
         if self.registry.finetuned_name == self.registry.model_name:
             raise ValueError("registry.finetuned_name must differ from registry.model_name: fine-tuned models are "
                              "judged on other text (held-out pairs) than pretrained ones")
+        return self
+
+    @model_validator(mode="after")
+    def _guarded_tasks_run(self) -> "Params":
+        named = {t for t in self.evaluate.tasks if "/" not in t and not t.endswith((".yaml", ".yml"))}
+        files = len(named) < len(self.evaluate.tasks)  # a task file's name is inside it: checked when it runs
+        unknown = [k for k in self.registry.task_guard if k.partition("/")[0] not in named]
+        if unknown and not files:
+            raise ValueError(f"registry.task_guard names {', '.join(unknown)}, which evaluate.tasks does not run "
+                             f"({', '.join(self.evaluate.tasks) or 'none'})")
         return self
 
     @property

@@ -27,6 +27,7 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from ultrathink.downstream import METRIC_PREFIX
 from ultrathink.errors import StageError
 from ultrathink.evaluate import Yardstick, read_yardstick
 from ultrathink.registry.tracking import BAD_VALUE, NOT_FOUND, sqlite_path
@@ -56,6 +57,12 @@ class Decision:
     reason: str
     champion_version: int | None  # the champion the challenger was compared with (None: there was none)
     champion_bpb: float | None  # its score on the yardstick (None: none, or it could not be scored)
+    task_guard: dict | None = None  # the task guard's checks (downstream.check_guard), when it ran
+
+
+# A second opinion on a challenger that beat the champion on the yardstick: given the champion's version number,
+# {"passed": bool, "reason": str, ...} (downstream.check_guard's record); an exception keeps the champion.
+Guard = Callable[[int], dict]
 
 
 def actor() -> str:
@@ -130,10 +137,28 @@ def judge(version: int, bpb: float, champion: ModelVersion | None, score: Callab
                     f"same text (a tie within {TIE_TOLERANCE:g} keeps the champion)", theirs, champion_bpb)
 
 
+def apply_guard(decision: Decision, version: int, guard: Guard | None) -> Decision:
+    """The decision after `guard`, when the yardstick promoted `version` over another champion."""
+    champion = decision.champion_version
+    if guard is None or not decision.promoted or champion is None or champion == version:
+        return decision
+    try:
+        record = guard(champion)
+    except Exception as exc:  # noqa: BLE001 - whatever broke, the champion is not silently beaten
+        return Decision(False, f"{decision.reason}, but the task guard could not compare it with champion "
+                        f"v{champion} ({type(exc).__name__}: {exc}); it stays champion", champion,
+                        decision.champion_bpb, {"passed": False, "reason": str(exc)})
+    if record["passed"]:
+        return Decision(True, f"{decision.reason}; task guard passed", champion, decision.champion_bpb, record)
+    return Decision(False, f"{decision.reason}, but the task guard refuses it: {record['reason']}", champion,
+                    decision.champion_bpb, record)
+
+
 def decide_and_move(client: MlflowClient, name: str, version: int, bpb: float, yardstick: Yardstick, root: Path,
-                    by: str, force_reason: str | None = None) -> Decision:
-    """Under the champion lock: judge `version` against the current champion (unless forced) and move the alias
-    when it wins. The champion is re-read right before the move; if another process moved it, judge again."""
+                    by: str, force_reason: str | None = None, guard: Guard | None = None) -> Decision:
+    """Under the champion lock: judge `version` against the current champion (unless forced), then by `guard`
+    when one is given, and move the alias when it wins. The champion is re-read right before the move; if another
+    process moved it, judge again."""
     with champion_lock(root):
         for _ in range(_MAX_RETRIES):
             champion = current_champion(client, name)
@@ -145,6 +170,7 @@ def decide_and_move(client: MlflowClient, name: str, version: int, bpb: float, y
                                     f"ultrathink registry promote {version} --force", _number(champion), None)
             else:
                 decision = judge(version, bpb, champion, lambda v: score_version(name, v, yardstick))
+                decision = apply_guard(decision, version, guard)
             if not decision.promoted or _number(champion) == version:
                 return decision
             if _number(current_champion(client, name)) == _number(champion):  # compare ...
@@ -200,7 +226,8 @@ def rollback(client: MlflowClient, name: str, root: Path, by: str, why: str) -> 
 
 
 def describe_versions(client: MlflowClient, name: str) -> list[dict[str, str]]:
-    """One row per version, oldest first: aliases, val_bpb and its yardstick, lineage, champion moves."""
+    """One row per version, oldest first: aliases, val_bpb and its yardstick, downstream task scores, lineage,
+    champion moves."""
     aliases: dict[int, list[str]] = {}  # search_model_versions leaves ModelVersion.aliases empty: ask the model
     if client.search_registered_models(f"name='{name}'"):
         for alias, number in client.get_registered_model(name).aliases.items():
@@ -213,6 +240,8 @@ def describe_versions(client: MlflowClient, name: str) -> list[dict[str, str]]:
         rows.append({
             "version": str(v.version), "aliases": ",".join(sorted(aliases.get(int(v.version), []))),
             "val_bpb": f"{float(t['val_bpb']):.4f}" if "val_bpb" in t else "?",
+            "tasks": " ".join(f"{k.removeprefix(METRIC_PREFIX)}={float(v):.3f}" for k, v in sorted(t.items())
+                              if k.startswith(METRIC_PREFIX)),
             "yardstick": f"{t.get('yardstick_sha256', '?')[:12]} ({t.get('yardstick_bytes', '?')} B)",
             "git": t.get("git_commit", "?")[:8], "data": t.get("data_hash", "?")[:12],
             "parent": t.get("parent_model", ""),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import tempfile
 import warnings
+from dataclasses import dataclass, field
 from importlib.metadata import version as installed_version
 from pathlib import Path
 
@@ -21,12 +22,14 @@ from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
 from packaging.version import Version
 
 import ultrathink
+from ultrathink import downstream
 from ultrathink.config import EvaluateConfig, RegistryConfig
 from ultrathink.evaluate import Yardstick
 from ultrathink.io import atomic_write_json
 from ultrathink.model.export import ExportError, export_hf
 from ultrathink.model.model import WEIGHTS_FILE
-from ultrathink.registry.champion import CHALLENGER, CHAMPION, YARDSTICK_ARTIFACT, actor, decide_and_move
+from ultrathink.registry.champion import CHALLENGER, CHAMPION, YARDSTICK_ARTIFACT, Guard, actor, decide_and_move
+from ultrathink.registry.models import resolve_model_files
 from ultrathink.registry.tracking import start_or_resume_run
 from ultrathink.text_eval import ModelFiles
 from ultrathink.hashing import file_sha256
@@ -73,8 +76,9 @@ def signature(eval_cfg: EvaluateConfig) -> ModelSignature:
                           outputs=Schema([ColSpec("string")]), params=params)
 
 
-def log_pyfunc(model_dir: Path, tokenizer_dir: Path, eval_cfg: EvaluateConfig):
-    """Log the model into the active run as models-from-code; returns MLflow's ModelInfo."""
+def log_pyfunc(model_dir: Path, tokenizer_dir: Path, eval_cfg: EvaluateConfig, report: Path | None = None):
+    """Log the model into the active run as models-from-code; returns MLflow's ModelInfo. `report`: a folder
+    (the report card) that goes with the model as its `report` artifact."""
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         # No input_example on purpose: the explicit signature already describes the input, and MLflow would
         # load and run the model at log time to check an example. (The message starts with a colour code.)
@@ -84,7 +88,8 @@ def log_pyfunc(model_dir: Path, tokenizer_dir: Path, eval_cfg: EvaluateConfig):
         return mlflow.pyfunc.log_model(
             name="model",
             python_model=str(PYFUNC_FILE),
-            artifacts={"model": str(model_dir), "tokenizer": str(tokenizer_dir), "generation": str(generation)},
+            artifacts={"model": str(model_dir), "tokenizer": str(tokenizer_dir), "generation": str(generation),
+                       **({"report": str(report)} if report else {})},
             code_paths=[str(PACKAGE_DIR)],
             pip_requirements=pip_requirements(),
             signature=signature(eval_cfg),
@@ -112,6 +117,47 @@ def log_hf_export(model_dir: Path, tokenizer_dir: Path) -> str:
     return f"runs:/{mlflow.active_run().info.run_id}/hf_export"
 
 
+@dataclass
+class TaskEvidence:
+    """The challenger's downstream scores (downstream.task_scores), the tasks and settings they were scored with,
+    and registry.task_guard: what it takes to score another version on the same task data."""
+
+    scores: dict[str, dict]
+    tasks: downstream.TaskSet
+    limit: int | None
+    batch_size: int
+    guard: dict[str, float] = field(default_factory=dict)
+
+    def tags(self) -> dict[str, str]:
+        return {**{k: repr(v) for k, v in downstream.flat_metrics(self.scores).items()},
+                "tasks_sha256": self.tasks.sha256(self.limit)}
+
+    def guard_for(self, name: str) -> Guard | None:
+        """The task guard of registry.task_guard (None when empty): scores the champion on the same tasks under its
+        own code and compares. A guarded task the challenger has no score for raises TaskError here, before any
+        version is registered."""
+        if not self.guard:
+            return None
+        for key in self.guard:
+            downstream.guard_metric(self.scores, key)
+
+        def check(champion: int) -> dict:
+            results = downstream.evaluate_model(resolve_model_files(f"models:/{name}/{champion}"), self.tasks,
+                                                self.limit, self.batch_size)
+            record = downstream.check_guard(self.guard, self.scores, downstream.task_scores(results))
+            return {**record, "tasks_sha256": self.tasks.sha256(self.limit)}
+
+        return check
+
+
+def version_evidence(name: str, version: int, tasks: downstream.TaskSet, limit: int | None, batch_size: int,
+                     guard: dict[str, float]) -> TaskEvidence:
+    """A registered version's scores on the project's tasks, under its own code (`ultrathink registry promote`
+    guards with these)."""
+    results = downstream.evaluate_model(resolve_model_files(f"models:/{name}/{version}"), tasks, limit, batch_size)
+    return TaskEvidence(downstream.task_scores(results), tasks, limit, batch_size, guard)
+
+
 def registered_version(client: MlflowClient, name: str, run_id: str, model_sha256: str) -> ModelVersion | None:
     """The version this run already registered for these exact weights: a retried promote reuses it rather than
     registering the same model twice."""
@@ -123,36 +169,44 @@ def registered_version(client: MlflowClient, name: str, run_id: str, model_sha25
 
 def promote(model_dir: Path, tokenizer_dir: Path, yardstick: Yardstick, cfg: RegistryConfig,
             eval_cfg: EvaluateConfig, tags: dict[str, str], run_id: str | None, root: Path,
-            known_bpb: float | None = None, name: str | None = None) -> dict:
+            known_bpb: float | None = None, name: str | None = None, evidence: TaskEvidence | None = None,
+            report: Path | None = None) -> dict:
     """Register the model as a new version (alias `challenger`) of `name` (default registry.model_name), score it
     and the current champion on the same yardstick, and move `champion` to it only if it is better
     (compare-and-set, see registry.champion).
 
     `known_bpb`: the model's bits per byte on this very yardstick when already measured (the evaluate stage's
-    val_bpb, with the same yardstick sha256), else it is scored here. Returns the decision as a JSON-serialisable
-    dict (written to reports/promotion.json by the stage)."""
+    val_bpb, with the same yardstick sha256), else it is scored here. `evidence`: the model's downstream task
+    scores, tagged on the version, and the task guard they are checked with. Returns the decision as a
+    JSON-serialisable dict (written to reports/promotion.json by the stage). `report`: the report card's folder,
+    logged with the model (its `report` artifact)."""
     model_dir, tokenizer_dir = Path(model_dir), Path(tokenizer_dir)
     name = name or cfg.model_name
     bpb = float(known_bpb if known_bpb is not None else yardstick.score(ModelFiles(model_dir, tokenizer_dir)))
     weights_sha = file_sha256(model_dir / WEIGHTS_FILE)
+    guard = evidence.guard_for(name) if evidence else None
     with start_or_resume_run(cfg.experiment, root, run_id) as run:
         client = MlflowClient()
         _ensure_run_metrics({"val_bpb": bpb})
         version = registered_version(client, name, run.info.run_id, weights_sha)
         if version is None:
             mlflow.log_text(yardstick.jsonl(), YARDSTICK_ARTIFACT)
-            info = log_pyfunc(model_dir, tokenizer_dir, eval_cfg)
+            info = log_pyfunc(model_dir, tokenizer_dir, eval_cfg, report)
             hf_export = log_hf_export(model_dir, tokenizer_dir)
             version_tags = {**{k: str(v) for k, v in tags.items()}, "val_bpb": repr(bpb),
                             "yardstick_sha256": yardstick.sha256, "yardstick_bytes": str(yardstick.bytes),
-                            "model_sha256": weights_sha, "hf_export": hf_export}
+                            "model_sha256": weights_sha, "hf_export": hf_export,
+                            **({"report_card": f"{info.model_uri}/artifacts/report"} if report else {}),
+                            **(evidence.tags() if evidence else {})}
             version = mlflow.register_model(info.model_uri, name, tags=version_tags)
     number = int(version.version)
     client.set_registered_model_alias(name, CHALLENGER, str(number))
-    decision = decide_and_move(client, name, number, bpb, yardstick, root, by=f"promote stage ({actor()})")
+    decision = decide_and_move(client, name, number, bpb, yardstick, root, by=f"promote stage ({actor()})",
+                               guard=guard)
     return {
         "model_name": name, "version": number, "run_id": run.info.run_id,
         "yardstick": yardstick.describe(), "value": bpb, "metric": yardstick.metric,
         "previous_champion_version": decision.champion_version, "previous_value": decision.champion_bpb,
         "promoted": decision.promoted, "reason": decision.reason, "hf_export": version.tags.get("hf_export"),
+        "tasks": downstream.compact_scores(evidence.scores) if evidence else {}, "task_guard": decision.task_guard,
     }

@@ -148,7 +148,8 @@ def run(params: Params) -> None:
     dist.finish()
 
 
-# Per-step figures that depend on the machine's speed, not on the weights: kept in MLflow, left out of history.json.
+# Per-step figures that depend on the machine's speed, not on the weights: kept in MLflow and in paths.train_run
+# (the report card's throughput plot), left out of history.json.
 TIMING_FIGURES = ("tokens_per_second", "mfu")
 
 
@@ -199,6 +200,8 @@ def train_and_record(params: Params, trainer: Trainer, resumed: int | None, pare
         facts = {"run_id": run.info.run_id, "model_sha256": model_sha, "seconds": round(result.seconds, 2),
                  "tokens_per_second": round(result.tokens_per_second, 1), "resumed_from": result.resumed_from,
                  "plan_measured": decided.measured, "machine": plan.machine}
-        atomic_write_json(p.train_run, facts)
+        timings = [{"step": point["step"], **{k: point[k] for k in TIMING_FIGURES if k in point}}
+                   for point in result.history if "tokens_per_second" in point]
+        atomic_write_json(p.train_run, {**facts, "timings": timings})
     print(f"train: {json.dumps({**summary, **facts, 'plan': None})}")
 
