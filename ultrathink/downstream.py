@@ -4,13 +4,16 @@ a model (in this process, or under a registered model's own code), their scores,
 
 The scoring itself is lm-eval's, on the `LM` of ultrathink/harness.py; nothing here scores text.
 
-The built-in task, `heldout_continuation`: every example is a held-out document cut after a word (the first
-MIN_CONTEXT_WORDS, then every CUT_EVERY more); the right answer is the document's next CONTINUATION_WORDS words, the
-wrong ones are CHOICES - 1 such continuations of other held-out documents. The model picks the choice it finds likeliest (`acc`;
-`acc_norm`: per byte of the choice). A model that has learnt nothing ranks choices without regard to the context,
-and since every choice is some document's real continuation, it is right 1 time in CHOICES; a model that follows
-the context (its syntax, its topic, the word cut in half by nothing) does better. It is written in lm-eval's own
-YAML format beside the reports, so `lm_eval --include_path reports/tasks --tasks heldout_continuation` runs it too.
+The built-in task, `heldout_continuation`: "which of these CHOICES passages does this one continue?". Held-out
+documents are cut after a word (the first MIN_CONTEXT_WORDS, then every CUT_EVERY more); an example is the
+CONTINUATION_WORDS words after a cut, and as choices the text before that cut and the texts before cuts of
+CHOICES - 1 other held-out documents. The model scores the continuation after each choice and picks the likeliest
+(lm-eval's "multiple input" form, as winogrande's; metric acc). Every choice is scored on the same words, so how
+likely they are on their own cancels out: only how well each context predicts them counts. A model that has learnt
+nothing has no reason to prefer the right context and is right 1 time in CHOICES; one that follows syntax and topic
+across the cut does better (the reference model of docs/evaluation.md: 0.67; untrained: 0.28, chance 0.25). It is
+written in lm-eval's own YAML format beside the reports, so `lm_eval --include_path reports/tasks --tasks
+heldout_continuation` runs it too.
 """
 
 from __future__ import annotations
@@ -47,8 +50,9 @@ class TaskError(StageError):
 
 # ---- the built-in task -------------------------------------------------------------------------------------------
 def continuation_examples(documents, seed: int = SEED) -> list[dict]:
-    """Examples of the built-in task from documents (see the module's docstring): {context, choices, label}."""
-    cuts = []  # (document index, context, the next words)
+    """Examples of the built-in task from documents (see the module's docstring): {contexts, continuation,
+    label}, label the index of the right context."""
+    cuts = []  # (document index, the text before the cut, the words after it)
     for index, text in enumerate(documents):
         words = list(re.finditer(r"\S+", text))
         for k in range(MIN_CONTEXT_WORDS, len(words) - CONTINUATION_WORDS + 1, CUT_EVERY):
@@ -63,11 +67,12 @@ def continuation_examples(documents, seed: int = SEED) -> list[dict]:
                         f"prepare.val_fraction)")
     rng = random.Random(seed)
     examples = []
-    for index, context, answer in cuts:
-        # Wrong answers come from other documents: a later part of the same one could fit the context as well.
-        others = rng.sample(sorted({c[2] for c in cuts if c[0] != index and c[2] != answer}), CHOICES - 1)
+    for index, context, passage in cuts:
+        # Wrong contexts come from other documents: an earlier part of the same one could lead to it as well.
+        others = rng.sample(sorted({c[1] for c in cuts if c[0] != index and c[1] != context}), CHOICES - 1)
         label = rng.randrange(CHOICES)
-        examples.append({"context": context, "choices": others[:label] + [answer] + others[label:], "label": label})
+        examples.append({"contexts": others[:label] + [context] + others[label:], "continuation": passage,
+                         "label": label})
     return examples
 
 
@@ -82,13 +87,14 @@ def write_builtin_task(documents, directory: Path) -> Path:
         "dataset_kwargs": {"data_files": {"test": str(data)}},
         "test_split": "test",
         "output_type": "multiple_choice",
-        "doc_to_text": "context",
-        "doc_to_choice": "choices",
-        "doc_to_target": "label",
-        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True},
-                        {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}],
-        "metadata": {"version": 1.0, "chance": 1 / CHOICES,
-                     "description": "pick a held-out document's next words among other documents' (ultrathink/"
+        # lm-eval's "multiple input" form (as winogrande's): doc_to_text gives the right choice's index, the
+        # choices are contexts, and every one is scored on the same continuation.
+        "doc_to_text": "label",
+        "doc_to_choice": "contexts",
+        "doc_to_target": "continuation",
+        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+        "metadata": {"version": 2.0, "chance": 1 / CHOICES,
+                     "description": "which of these held-out passages do the words continue? (ultrathink/"
                                     "downstream.py)"},
     }
     directory.mkdir(parents=True, exist_ok=True)

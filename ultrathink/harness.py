@@ -77,7 +77,7 @@ class UltraThinkLM(LM):
             logits = self.forward([inputs for _, inputs, _ in batch])
             for row, (i, inputs, targets) in enumerate(batch):
                 n, k = len(inputs), len(targets)
-                logprobs = F.log_softmax(logits[row, n - k : n].float(), dim=-1)
+                logprobs = F.log_softmax(logits[row, n - k : n].double(), dim=-1)  # sums of many: in fp64
                 expected = torch.tensor(targets, device=logprobs.device)
                 totals[i] += logprobs.gather(1, expected[:, None]).sum().item()
                 greedy[i] = greedy[i] and bool((logprobs.argmax(-1) == expected).all())
