@@ -43,6 +43,18 @@ def reproduce(name: str, root: str) -> dict:
     return {"stage": name, "ran": bool(ran), "seconds": round(seconds, 2)}
 
 
+def flat_rows(report: dict, prefix: str = "") -> dict:
+    """A report's numbers and strings, nested keys joined by "/" (metrics.json's tasks: task/metric); lists left
+    out."""
+    rows = {}
+    for key, value in report.items():
+        if isinstance(value, dict):
+            rows.update(flat_rows(value, f"{prefix}{key}/"))
+        elif not isinstance(value, list):
+            rows[f"{prefix}{key}"] = value
+    return rows
+
+
 def summary_markdown(results: list[dict], root: Path, params) -> str:
     lines = ["# UltraThink pipeline", "", "| stage | ran | seconds |", "|---|---|---|"]
     lines += [f"| {r['stage']} | {'yes' if r['ran'] else 'skipped'} | {r['seconds']} |" for r in results]
@@ -51,7 +63,7 @@ def summary_markdown(results: list[dict], root: Path, params) -> str:
                         ("Fine-tuned promotion", p.finetune_promotion)):
         file = root / path
         if file.exists():
-            rows = {k: v for k, v in json.loads(file.read_text()).items() if not isinstance(v, (dict, list))}
+            rows = flat_rows(json.loads(file.read_text()))
             lines += ["", f"## {title}", "", "| key | value |", "|---|---|"]
             lines += [f"| {k} | {v} |" for k, v in rows.items()]
     return "\n".join(lines)

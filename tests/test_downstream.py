@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import mlflow
 import pytest
 import torch
 import yaml
@@ -23,20 +24,28 @@ DOCS = [" ".join(f"w{d}_{i}" for i in range(40)) for d in range(6)]
 
 
 def test_builtin_examples_pair_each_continuation_with_its_own_context_among_other_documents():
-    examples = downstream.continuation_examples(DOCS)
-    assert examples == downstream.continuation_examples(DOCS)  # the same documents give the same task
-    assert len(examples) == 6 * 2  # cuts after word 8 and 24 of each 40-word document
+    examples, words = downstream.continuation_examples(DOCS)
+    assert (examples, words) == downstream.continuation_examples(DOCS)  # the same documents give the same task
+    assert words == 8 and len(examples) == 6 * 2  # cuts after word 8 and 24 of each 40-word document
     labels = set()
     for e in examples:
         right = e["contexts"][e["label"]]
         doc = right.split()[0].split("_")[0]
-        assert e["continuation"].split()[0] == f"{doc}_{len(right.split())}"  # the words right after the cut
+        assert e["continuation"].split() == [f"{doc}_{len(right.split()) + i}" for i in range(8)]  # what follows
         assert len(e["contexts"]) == CHOICES
         assert [c.split()[0].split("_")[0] for c in e["contexts"]].count(doc) == 1  # others: other documents
         labels.add(e["label"])
     assert len(labels) > 1
-    with pytest.raises(TaskError, match="fewer than 4 held-out documents"):
-        downstream.continuation_examples(DOCS[:3])
+
+
+def test_a_corpus_of_short_documents_gets_shorter_cuts_and_too_few_documents_are_named():
+    lines = [f"item {i} is in box {i % 3}." for i in range(20)]  # 6 words each
+    examples, words = downstream.continuation_examples(lines)
+    assert words == 2 and len(examples) == 20
+    assert all(e["contexts"][e["label"]] == f"item {i}" and e["continuation"] == "is in"
+               for i, e in enumerate(examples))
+    with pytest.raises(TaskError, match="fewer than 4 different held-out documents have 4 words"):
+        downstream.continuation_examples(DOCS[:1] + ["two words"])  # no other document to take choices from
 
 
 def test_task_files_that_cannot_run_are_named(tmp_path, monkeypatch):
@@ -121,6 +130,9 @@ def test_a_local_task_scores_the_same_through_the_stage_the_cli_and_the_register
     assert stage["n"] == 40 and 0 <= stage["acc"] <= 1
     report = (project / "reports/report.md").read_text()
     assert "nextwords: acc" in report and "![Loss](plots/loss.png)" in report
+    plots = json.loads(sh(["dvc", "plots", "show", "--json"], project).stdout)["data"]
+    points = [row for plot in plots.values() for part in plot for row in part["content"]["data"]["values"]]
+    assert {"tokens", "train_loss"} <= set(points[0]) and any("val_loss" in row for row in points)
 
     cli = sh(["ultrathink", "eval", "--model", "artifacts/model", "--tasks", spec, "--output", "out.json"], project)
     assert json.loads((project / "out.json").read_text())["results"]["nextwords"]["acc,none"] == stage["acc"]
@@ -195,6 +207,10 @@ def test_the_task_guard_refuses_a_challenger_that_regresses_on_a_guarded_task(tr
     assert client.get_model_version("ultrathink", "2").tags["tasks/disputed/acc"] == "0.0"
     listed = sh(["ultrathink", "registry", "list"], project).stdout
     assert "disputed/acc=0.000" in listed
+    # The version carries its report card, with the task's row.
+    files = Path(mlflow.artifacts.download_artifacts("models:/ultrathink/2", dst_path=str(tmp_path / "v2")))
+    card = files / client.get_model_version("ultrathink", "2").tags["report_card"]
+    assert "disputed: acc" in card.read_text() and (card.parent / "plots/loss.png").is_file()
 
     # A guard that allows the drop lets the same challenger through, by hand too (scored again, each under its code).
     set_params(project, {"registry": {"task_guard": {"disputed": 1.0}}})

@@ -5,8 +5,8 @@ a model (in this process, or under a registered model's own code), their scores,
 The scoring itself is lm-eval's, on the `LM` of ultrathink/harness.py; nothing here scores text.
 
 The built-in task, `heldout_continuation`: "which of these CHOICES passages does this one continue?". Held-out
-documents are cut after a word (the first MIN_CONTEXT_WORDS, then every CUT_EVERY more); an example is the
-CONTINUATION_WORDS words after a cut, and as choices the text before that cut and the texts before cuts of
+documents are cut after a word (the first CONTINUATION_WORDS, then every 2 × CONTINUATION_WORDS more); an
+example is the CONTINUATION_WORDS words after a cut, and as choices the text before that cut and the texts before cuts of
 CHOICES - 1 other held-out documents. The model scores the continuation after each choice and picks the likeliest
 (lm-eval's "multiple input" form, as winogrande's; metric acc). Every choice is scored on the same words, so how
 likely they are on their own cancels out: only how well each context predicts them counts. A model that has learnt
@@ -37,9 +37,7 @@ BUILTIN_TASK = "heldout_continuation"
 METRIC_PREFIX = "tasks/"  # MLflow metrics and version tags tasks/<task>/<metric>
 TASKS_FOLDER = "eval_tasks"  # the project's own task YAMLs: a dependency of the evaluate and promote stages
 CHOICES = 4
-CONTINUATION_WORDS = 8
-MIN_CONTEXT_WORDS = 8
-CUT_EVERY = 2 * CONTINUATION_WORDS  # a long document gives an example every CUT_EVERY words
+CONTINUATION_WORDS = 8  # words on each side of a cut (fewer for a corpus of short documents)
 MAX_EXAMPLES = 1000  # ±1.6 points of stderr at 50%; from the first held-out documents, in order
 SEED = 0
 
@@ -49,31 +47,43 @@ class TaskError(StageError):
 
 
 # ---- the built-in task -------------------------------------------------------------------------------------------
-def continuation_examples(documents, seed: int = SEED) -> list[dict]:
-    """Examples of the built-in task from documents (see the module's docstring): {contexts, continuation,
-    label}, label the index of the right context."""
-    cuts = []  # (document index, the text before the cut, the words after it)
+def cuts_of(documents, words: int) -> list[tuple[int, str, str]]:
+    """(document index, the text before a cut, the `words` words after it): a cut after the first `words` words
+    of each document, then every 2 × `words` more, up to MAX_EXAMPLES in all."""
+    cuts = []
     for index, text in enumerate(documents):
-        words = list(re.finditer(r"\S+", text))
-        for k in range(MIN_CONTEXT_WORDS, len(words) - CONTINUATION_WORDS + 1, CUT_EVERY):
-            cuts.append((index, text[: words[k - 1].end()],
-                         " ".join(w.group() for w in words[k : k + CONTINUATION_WORDS])))
+        spans = list(re.finditer(r"\S+", text))
+        for k in range(words, len(spans) - words + 1, 2 * words):
+            cuts.append((index, text[: spans[k - 1].end()], " ".join(w.group() for w in spans[k : k + words])))
         if len(cuts) >= MAX_EXAMPLES:
             break
-    cuts = cuts[:MAX_EXAMPLES]
-    if len({index for index, _, _ in cuts}) < CHOICES:
-        raise TaskError(f"{BUILTIN_TASK}: fewer than {CHOICES} held-out documents have "
-                        f"{MIN_CONTEXT_WORDS + CONTINUATION_WORDS} words or more (a larger val split: "
-                        f"prepare.val_fraction)")
+    return cuts[:MAX_EXAMPLES]
+
+
+def continuation_examples(documents, seed: int = SEED) -> tuple[list[dict], int]:
+    """Examples of the built-in task from documents (see the module's docstring): {contexts, continuation,
+    label}, label the index of the right context; and the words on each side of a cut: CONTINUATION_WORDS, or
+    fewer (halved down to 2) when fewer than CHOICES documents are long enough (a corpus of short lines)."""
+    words = CONTINUATION_WORDS
+    while len({index for index, _, _ in cuts_of(documents, words)}) < CHOICES and words > 2:
+        words //= 2
+    cuts = cuts_of(documents, words)
     rng = random.Random(seed)
     examples = []
     for index, context, passage in cuts:
         # Wrong contexts come from other documents: an earlier part of the same one could lead to it as well.
-        others = rng.sample(sorted({c[1] for c in cuts if c[0] != index and c[1] != context}), CHOICES - 1)
+        others = sorted({c[1] for c in cuts if c[0] != index and c[1] != context})
+        if len(others) < CHOICES - 1:
+            continue
+        others = rng.sample(others, CHOICES - 1)
         label = rng.randrange(CHOICES)
         examples.append({"contexts": others[:label] + [context] + others[label:], "continuation": passage,
                          "label": label})
-    return examples
+    if not examples:
+        raise TaskError(f"{BUILTIN_TASK}: fewer than {CHOICES} different held-out documents have {2 * words} words "
+                        f"or more (a larger val split: prepare.val_fraction; or leave the task out of "
+                        f"evaluate.tasks)")
+    return examples, words
 
 
 def write_builtin_task(documents, directory: Path) -> Path:
@@ -98,7 +108,9 @@ def write_builtin_task(documents, directory: Path) -> Path:
                                     "downstream.py)"},
     }
     directory.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(data, "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in continuation_examples(documents)))
+    examples, words = continuation_examples(documents)
+    config["metadata"]["words"] = words
+    atomic_write_text(data, "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in examples))
     path = directory / f"{BUILTIN_TASK}.yaml"
     atomic_write_text(path, yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
     return path

@@ -90,4 +90,5 @@ def score_model(files: ModelFiles, documents, chats: bool = False, device: Devic
     if files.code_dir is None:
         return getattr(scoring, function)(UltraThink.from_pretrained(files.model_dir, device=resolve_device(device)),
                                           load_tokenizer(files.tokenizer_dir), documents)
-    return TextScore(**run_under_model_code(files, scoring, function, {"documents": list(documents)}, device))
+    texts = {("conversations" if chats else "documents"): list(documents)}  # the function's parameter
+    return TextScore(**run_under_model_code(files, scoring, function, texts, device))

@@ -4,6 +4,7 @@ parses train.budget, fingerprint.py says which knobs name a checkpoint)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -47,6 +48,13 @@ class PathsConfig(Section):
     finetune_plan: str = "plans/finetune.json"  # fine-tuning's recorded precision and attention kernel (plan.py)
     finetune_report: str = "reports/finetune.json"  # the pairs' gate, response-only loss before/after, sample answers
     finetune_promotion: str = "reports/finetune_promotion.json"
+
+    @model_validator(mode="after")
+    def _plots_beside_the_report(self) -> "PathsConfig":
+        if not Path(self.plots_dir).resolve().is_relative_to(Path(self.report).resolve().parent):
+            raise ValueError(f"plots_dir ({self.plots_dir}) must lie in the folder of report ({self.report}): the "
+                             f"report card links its plots by relative paths")
+        return self
 
 
 class MixtureSource(Section):

@@ -38,6 +38,7 @@ PACKAGE_DIR = Path(ultrathink.__file__).parent
 PYFUNC_FILE = Path(__file__).with_name("pyfunc_model.py")
 # What pyfunc_model.py and the ultrathink package import. Listing them saves MLflow from inferring requirements,
 # which loads the model in a subprocess (~10 s).
+REPORT_ARTIFACT = "report"  # the report card's folder among a registered model's artifacts
 REQUIREMENTS = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pydantic", "pyyaml")
 
 
@@ -89,7 +90,7 @@ def log_pyfunc(model_dir: Path, tokenizer_dir: Path, eval_cfg: EvaluateConfig, r
             name="model",
             python_model=str(PYFUNC_FILE),
             artifacts={"model": str(model_dir), "tokenizer": str(tokenizer_dir), "generation": str(generation),
-                       **({"report": str(report)} if report else {})},
+                       **({REPORT_ARTIFACT: str(report)} if report else {})},
             code_paths=[str(PACKAGE_DIR)],
             pip_requirements=pip_requirements(),
             signature=signature(eval_cfg),
@@ -178,11 +179,12 @@ def promote(model_dir: Path, tokenizer_dir: Path, yardstick: Yardstick, cfg: Reg
     `known_bpb`: the model's bits per byte on this very yardstick when already measured (the evaluate stage's
     val_bpb, with the same yardstick sha256), else it is scored here. `evidence`: the model's downstream task
     scores, tagged on the version, and the task guard they are checked with. Returns the decision as a
-    JSON-serialisable dict (written to reports/promotion.json by the stage). `report`: the report card's folder,
-    logged with the model (its `report` artifact)."""
+    JSON-serialisable dict (written to reports/promotion.json by the stage). `report`: a folder named `report`
+    holding the report card, logged with the model (its artifacts/report; the version's `report_card` tag)."""
     model_dir, tokenizer_dir = Path(model_dir), Path(tokenizer_dir)
     name = name or cfg.model_name
     bpb = float(known_bpb if known_bpb is not None else yardstick.score(ModelFiles(model_dir, tokenizer_dir)))
+    report_name = next((p.name for p in Path(report).glob("*.md")), "") if report else ""
     weights_sha = file_sha256(model_dir / WEIGHTS_FILE)
     guard = evidence.guard_for(name) if evidence else None
     with start_or_resume_run(cfg.experiment, root, run_id) as run:
@@ -196,7 +198,7 @@ def promote(model_dir: Path, tokenizer_dir: Path, yardstick: Yardstick, cfg: Reg
             version_tags = {**{k: str(v) for k, v in tags.items()}, "val_bpb": repr(bpb),
                             "yardstick_sha256": yardstick.sha256, "yardstick_bytes": str(yardstick.bytes),
                             "model_sha256": weights_sha, "hf_export": hf_export,
-                            **({"report_card": f"{info.model_uri}/artifacts/report"} if report else {}),
+                            **({"report_card": f"artifacts/{REPORT_ARTIFACT}/{report_name}"} if report else {}),
                             **(evidence.tags() if evidence else {})}
             version = mlflow.register_model(info.model_uri, name, tags=version_tags)
     number = int(version.version)

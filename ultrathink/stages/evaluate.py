@@ -7,6 +7,8 @@ model's MLflow run, whose id metrics.json carries, with lm-eval's results and th
 import csv
 import io
 import json
+import logging
+import shutil
 from pathlib import Path
 
 import mlflow
@@ -25,6 +27,8 @@ from ultrathink.registry.tracking import run_of_model, start_or_resume_run
 from ultrathink.report_card import write_report_card
 from ultrathink.tokenizer import load_tokenizer
 
+log = logging.getLogger(__name__)
+
 
 def curve_csv(history: list[dict], key: str, tokens_per_step: int) -> str:
     """step, tokens seen and `key` at every logged step that has it."""
@@ -35,9 +39,11 @@ def curve_csv(history: list[dict], key: str, tokens_per_step: int) -> str:
     return out.getvalue()
 
 
-def project_tasks(params: Params) -> downstream.TaskSet:
-    """evaluate.tasks as a TaskSet, after writing the built-in task from the val documents when it is listed.
-    Task files must lie in eval_tasks/, which dvc.yaml tracks, so that editing one re-runs the stage."""
+def project_tasks(params: Params) -> tuple[downstream.TaskSet, dict[str, str]]:
+    """evaluate.tasks as a TaskSet, after writing the built-in task from the val documents when it is listed; and
+    the tasks left out, with why: the built-in task when the val documents are too few or too short to make it (a
+    warning: it is a default, not a task the user wrote). Task files must lie in eval_tasks/, which dvc.yaml
+    tracks, so that editing one re-runs the stage."""
     cfg, p = params.evaluate, params.paths
     for spec in cfg.tasks:
         inside = Path(spec).resolve().is_relative_to(Path(downstream.TASKS_FOLDER).resolve())
@@ -45,17 +51,23 @@ def project_tasks(params: Params) -> downstream.TaskSet:
             raise StageError(f"evaluate.tasks: {spec} is not in {downstream.TASKS_FOLDER}/, the folder dvc.yaml "
                              f"tracks for the evaluate and promote stages: move it there (with its data files) so "
                              f"that editing it re-runs them")
-    if downstream.BUILTIN_TASK in cfg.tasks:
-        downstream.write_builtin_task(val_documents(Path(p.prepared_dir)), Path(p.tasks_dir))
-    else:
-        Path(p.tasks_dir).mkdir(parents=True, exist_ok=True)
-    return downstream.task_set(cfg.tasks, Path(p.tasks_dir))
+    specs, skipped = list(cfg.tasks), {}
+    shutil.rmtree(p.tasks_dir, ignore_errors=True)  # no task of an earlier run is left to look current
+    Path(p.tasks_dir).mkdir(parents=True)
+    if downstream.BUILTIN_TASK in specs:
+        try:
+            downstream.write_builtin_task(val_documents(Path(p.prepared_dir)), Path(p.tasks_dir))
+        except downstream.TaskError as exc:
+            log.warning("%s; it is left out of this evaluation", exc)
+            specs.remove(downstream.BUILTIN_TASK)
+            skipped[downstream.BUILTIN_TASK] = str(exc)
+    return downstream.task_set(specs, Path(p.tasks_dir)), skipped
 
 
 def run(params: Params) -> None:
     p, cfg = params.paths, params.evaluate
     model_dir, prepared = Path(p.model_dir), Path(p.prepared_dir)
-    tasks = project_tasks(params)
+    tasks, skipped = project_tasks(params)
     loaded = downstream.load_tasks(tasks)  # a task that cannot run stops the stage before any scoring
     # On the GPU when there is one: the device promote re-scores the champion on (text_eval.score_model's auto).
     model = UltraThink.from_pretrained(model_dir, device=resolve_device())
@@ -94,7 +106,7 @@ def run(params: Params) -> None:
         for path in card:
             mlflow.log_artifact(str(path), "report" if path.suffix == ".md" else "report/plots")
     atomic_write_json(p.metrics, {**metrics, "tasks": downstream.compact_scores(scores),
-                                  "tasks_sha256": tasks.sha256(cfg.task_limit),
+                                  "tasks_sha256": tasks.sha256(cfg.task_limit), "tasks_skipped": skipped,
                                   "yardstick_sha256": yardstick.sha256, "mlflow_run_id": run.info.run_id})
     print(f"evaluate: val_loss {score.loss:.4f} (unigram {unigram:.4f}) ppl {score.perplexity:.1f} "
           f"bpb {score.bits_per_byte:.4f} over {score.tokens:,} tokens, {score.bytes:,} bytes, "

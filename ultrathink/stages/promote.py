@@ -15,7 +15,7 @@ from ultrathink.data.packing import VAL_TEXT_FILE, val_documents
 from ultrathink.evaluate import Yardstick
 from ultrathink.io import atomic_write_json
 from ultrathink.lineage import lineage_tags
-from ultrathink.registry.promote import TaskEvidence, promote
+from ultrathink.registry.promote import REPORT_ARTIFACT, TaskEvidence, promote
 from ultrathink.registry.tracking import run_of_model
 from ultrathink.train.warm_start import LINEAGE_FILE
 
@@ -33,7 +33,8 @@ def task_evidence(params: Params, metrics: dict) -> TaskEvidence:
     """The model's task scores from the evaluate stage (lm-eval's results file), which ran these very tasks on this
     very task data (metrics.json's tasks_sha256 says so; otherwise the stage is out of date: re-run it)."""
     p, cfg = params.paths, params.evaluate
-    tasks = downstream.task_set(cfg.tasks, Path(p.tasks_dir))
+    skipped = metrics.get("tasks_skipped") or {}  # the built-in task, when the val text could not make it
+    tasks = downstream.task_set([t for t in cfg.tasks if t not in skipped], Path(p.tasks_dir))
     if metrics.get("tasks_sha256") != tasks.sha256(cfg.task_limit):
         raise downstream.TaskError(f"{p.metrics} was not measured on today's evaluate.tasks and their data "
                                    f"(tasks_sha256 differs): re-run the evaluate stage (dvc repro)")
@@ -42,11 +43,13 @@ def task_evidence(params: Params, metrics: dict) -> TaskEvidence:
 
 
 def report_folder(params: Params, into: Path) -> Path:
-    """The report card and its plots, laid out as its links expect, in `into`."""
+    """A folder `report` in `into` holding the report card and its plots, laid out as its links expect."""
     markdown, plots = Path(params.paths.report), Path(params.paths.plots_dir)
-    shutil.copy2(markdown, into / markdown.name)
-    shutil.copytree(plots, into / plots.resolve().relative_to(markdown.parent.resolve()))
-    return into
+    folder = into / REPORT_ARTIFACT
+    folder.mkdir()
+    shutil.copy2(markdown, folder / markdown.name)
+    shutil.copytree(plots, folder / plots.resolve().relative_to(markdown.parent.resolve()))
+    return folder
 
 
 def run(params: Params) -> None:
