@@ -36,9 +36,9 @@ from ultrathink.hashing import file_sha256
 PACKAGE_DIR = Path(ultrathink.__file__).parent
 # Passed to MLflow by path, never imported here: importing it would call set_model and load torch for nothing.
 PYFUNC_FILE = Path(__file__).with_name("pyfunc_model.py")
+REPORT_ARTIFACT = "report"  # the report card's folder among a registered model's artifacts
 # What pyfunc_model.py and the ultrathink package import. Listing them saves MLflow from inferring requirements,
 # which loads the model in a subprocess (~10 s).
-REPORT_ARTIFACT = "report"  # the report card's folder among a registered model's artifacts
 REQUIREMENTS = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pydantic", "pyyaml")
 
 
