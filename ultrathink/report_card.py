@@ -167,19 +167,22 @@ def _from_zero(ax: Axes, values: list[float]) -> None:
 
 
 def _moe_figure(history: list[dict], x: Tokens) -> Figure:
-    figure, ax = _axes("moe", x, "share (0 to 1)")
-    ax.plot(*x.series(history, "moe_entropy"), linewidth=2, label="load entropy (1 = even)")
-    ax.plot(*x.series(history, "moe_max_expert_share"), linewidth=2, label="busiest expert's share")
-    _per_layer(ax, history, x, "moe", "entropy")
-    _finish_shares(figure, ax)
-    return figure
+    return _routing_figure(history, x, "moe", "share (0 to 1)", {"moe_entropy": "load entropy (1 = even)",
+                           "moe_max_expert_share": "busiest expert's share"}, "entropy")
 
 
 def _dre_figure(history: list[dict], x: Tokens) -> Figure:
-    figure, ax = _axes("dre", x, "fraction of dense (0 to 1)")
-    ax.plot(*x.series(history, "dre_kept"), linewidth=2, label="tokens kept")
-    ax.plot(*x.series(history, "dre_flops_ratio"), linewidth=2, label="FLOPs per token")
-    _per_layer(ax, history, x, "dre", "kept")
+    return _routing_figure(history, x, "dre", "fraction of dense (0 to 1)", {"dre_kept": "tokens kept",
+                           "dre_flops_ratio": "FLOPs per token"}, "kept")
+
+
+def _routing_figure(history: list[dict], x: Tokens, variant: str, ylabel: str, overall: dict[str, str],
+                    per_layer: str) -> Figure:
+    """A routing variant's health: its overall figures (bold) and one per-layer figure (thin), as shares."""
+    figure, ax = _axes(variant, x, ylabel)
+    for key, label in overall.items():
+        ax.plot(*x.series(history, key), linewidth=2, label=label)
+    _per_layer(ax, history, x, variant, per_layer)
     _finish_shares(figure, ax)
     return figure
 
