@@ -134,6 +134,13 @@ def test_a_local_task_scores_the_same_through_the_stage_the_cli_and_the_register
     points = [row for plot in plots.values() for part in plot for row in part["content"]["data"]["values"]]
     assert {"tokens", "train_loss"} <= set(points[0]) and any("val_loss" in row for row in points)
 
+    # The user's next move: editing a task's data makes the stages that read it stale (eval_tasks/ is their dep).
+    with (project / "eval_tasks/nextwords.jsonl").open("a") as data:
+        data.write(json.dumps({**val_rows(project, 1)[0], "label": 1}) + "\n")
+    status = sh(["dvc", "status", "evaluate", "promote"], project).stdout
+    assert "evaluate:" in status and "promote:" in status and "eval_tasks" in status
+    (project / "eval_tasks/nextwords.jsonl").write_text("".join(json.dumps(r) + "\n" for r in val_rows(project, 40)))
+
     cli = sh(["ultrathink", "eval", "--model", "artifacts/model", "--tasks", spec, "--output", "out.json"], project)
     assert json.loads((project / "out.json").read_text())["results"]["nextwords"]["acc,none"] == stage["acc"]
     assert "nextwords" in cli.stdout and f"{stage['acc']:.4f}" in cli.stdout

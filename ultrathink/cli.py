@@ -293,7 +293,7 @@ def _task_guard(model: str, version: int):
     from ultrathink import downstream
     from ultrathink.registry.promote import version_evidence
 
-    settings = _settings(PARAMS_OPT.default, None)
+    settings = _settings(Path("params.yaml"), None)
     guard, cfg = settings.registry.task_guard, settings.evaluate
     if not guard:
         return None
