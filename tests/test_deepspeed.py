@@ -17,7 +17,7 @@ def test_config_is_generated_from_train_params():
                       deepspeed={"zero_stage": 3, "offload_optimizer": True, "offload_params": True})
     config = ds_config(cfg, "bf16", world_size=2)
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
-            config["train_batch_size"], config["gradient_clipping"]) == (4, 3, 24, 0.5)
+            config["train_batch_size"], config["gradient_clipping"]) == (3, 2, 12, 0.5)  # 12 = 4 × 3, 6 per rank
     assert config["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                            "offload_param": {"device": "cpu"}}
     assert config["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"} and "fp16" not in config

@@ -1,10 +1,12 @@
-"""Data parallel and sharded training on CPU: `torchrun --nproc_per_node=2 -m tasks.train` (gloo) with DDP, FSDP2
-and DeepSpeed ZeRO-1, 2 and 3 trains the same model as one process with the same global batch, a model with both
+"""Data parallel and sharded training on CPU: the train stage with launch.nproc_per_node 2 (gloo ranks it starts
+itself) with DDP, FSDP2 and DeepSpeed ZeRO-1, 2 and 3 trains the same model as one process with the same params, a model with both
 routing variants on (MoE layers with aux-loss-free bias balancing, a DRE routed block) warm-started into edge
 cases: one expert that is never chosen and a routed block that keeps no token in its first steps. Every checkpoint
 of a run first checks that all ranks hold the same routing state (and, under DDP and ZeRO-1/2, the same weights);
 the run fails otherwise. FSDP and DeepSpeed runs resume from their own checkpoints exactly; a DDP run killed with
-SIGKILL (launcher and workers) resumes to the weights of an uninterrupted run, bit for bit."""
+SIGKILL (launcher and workers) resumes to the weights of an uninterrupted run, bit for bit. A checkpoint of two DDP
+or FSDP ranks resumes on one process, and one process's on two ranks, as the uninterrupted run on the new number of
+ranks; DeepSpeed's refuses another number of ranks, naming both."""
 
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ DEAD = "blocks.1.mlp.experts.0."  # the expert the parent model never lets be ch
 
 # Per-rank statistics (MoE capacity and load-balancing loss, DRE score quantiles) are computed per forward and then
 # summed, so two ranks of 4 sequences equal ONE process of 2 micro-batches of 4 (the same 8 windows per step, split
-# the same way), not one process of batch 8 (against that, different capacity drops and per-forward losses give
+# the same way: train.batch_size 4 × train.grad_accum 2 on any number of ranks), not one process of batch 8 (against that, different capacity drops and per-forward losses give
 # ~2e-3 relative loss and ~2e-2 weight differences after 20 steps). DDP matches it bit for bit; the other backends
 # reduce in another order: the worst cases seen over FSDP and ZeRO-1/2/3 are 9.5e-8 (relative train loss), 5.7e-8
 # (relative val loss), 7.4e-7 (weights), 7.5e-9 (DRE thresholds) and 0 for MoE selection biases and step counts,
@@ -60,16 +62,16 @@ def configure(base: Path, model: dict | None = None, **train) -> None:
     (base / "params.yaml").write_text(yaml.safe_dump(params))
 
 
-def launch(base: Path, env: dict, port: int) -> subprocess.Popen:
-    """torchrun with 2 workers, in its own session (its workers start sessions of their own)."""
-    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-            f"--master_port={port}", "-m", "tasks.train", "--params", str(base / "params.yaml")]
+def launch(base: Path, env: dict, *sets: str) -> subprocess.Popen:
+    """The train stage on 2 ranks that it starts itself (launch.nproc_per_node), in its own session."""
+    args = [sys.executable, "-m", "tasks.train", "--params", str(base / "params.yaml"), "--set",
+            "launch.nproc_per_node=2", *(x for s in sets for x in ("--set", s))]
     return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
 
-def torchrun(base: Path, env: dict, port: int) -> str:
-    proc = launch(base, env, port)
+def two_ranks(base: Path, env: dict, *sets: str) -> str:
+    proc = launch(base, env, *sets)
     output = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, output[-4000:]
     return output
@@ -107,38 +109,38 @@ def parent(tmp_path_factory) -> Path:
 
 def warm(parent: Path) -> dict:
     # No weight decay: the dead expert gets only zero gradients, so AdamW leaves it exactly as the parent had it.
-    return {"init_from": str(parent), "weight_decay": 0.0, "log_every": 1, "batch_size": 4}
+    return {"init_from": str(parent), "weight_decay": 0.0, "log_every": 1, "batch_size": 4, "grad_accum": 2}
 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, parent) -> Path:
     tmp = tmp_path_factory.mktemp("single")
     base = tiny_project(tmp, "single")
-    configure(base, **warm(parent), grad_accum=2)  # 2 × 4 windows per step, as two ranks of 4 read them
+    configure(base, **warm(parent))  # 2 × 4 windows per step, as two ranks of 4 read them
     done = subprocess.run([sys.executable, "-m", "tasks.train", "--params", str(base / "params.yaml")],
                           cwd=ROOT, env=tracking(tmp), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     return base
 
 
-BACKENDS = {"ddp": ("ddp", None, 29517), "fsdp": ("fsdp", None, 29527), "zero1": ("deepspeed", 1, 29537),
-            "zero2": ("deepspeed", 2, 29547), "zero3": ("deepspeed", 3, 29557)}
+BACKENDS = {"ddp": ("ddp", None), "fsdp": ("fsdp", None), "zero1": ("deepspeed", 1), "zero2": ("deepspeed", 2),
+            "zero3": ("deepspeed", 3)}
 
 
 @pytest.fixture(scope="module", params=list(BACKENDS))
 def two(request, tmp_path_factory, parent):
-    """The same warm-started run as `single`, on two ranks of 4 windows each."""
-    backend, stage, port = BACKENDS[request.param]
+    """The same warm-started run as `single`, with the same params, on two ranks of 4 windows each."""
+    backend, stage = BACKENDS[request.param]
     tmp = tmp_path_factory.mktemp(request.param)
     base = tiny_project(tmp, request.param)
     configure(base, **warm(parent), backend=backend, **({"deepspeed": {"zero_stage": stage}} if stage else {}))
     env = tracking(tmp)
-    torchrun(base, env, port)
-    return base, env, port, request.param
+    two_ranks(base, env)
+    return base, env, request.param
 
 
 def test_two_processes_match_one_process_with_the_same_global_batch(single, two):
-    base, _, _, name = two
+    base, _, name = two
     one, other = history(single), history(base)
     assert [h["step"] for h in one] == [h["step"] for h in other] == list(range(1, 21))
     for a, b in zip(one, other):
@@ -167,10 +169,16 @@ def test_two_processes_match_one_process_with_the_same_global_batch(single, two)
     if name.startswith("zero"):  # each rank's ZeRO shard of the optimizer state, in DeepSpeed's own format
         shards = sorted(p.name for p in (folder / "step_00000020" / "deepspeed" / "ds").glob("*optim_states.pt"))
         assert shards == ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    else:  # torch engines: every rank wrote its own file of optimizer shards (sharded.py), one joined weights file
+        written = sorted(p.name for p in (folder / "step_00000020").rglob("*.safetensors"))
+        assert written == ["model.safetensors", "shard-00001-model-00001-of-00001.safetensors",
+                           "shard-00002-model-00001-of-00001.safetensors"]
+        manifest = json.loads((folder / "step_00000020" / "manifest.json").read_text())
+        assert (manifest["world_size"], manifest["backend"]) == (2, name)
 
 
 def test_a_dead_expert_and_a_routed_block_that_keeps_no_token_train_on_two_processes(parent, two):
-    base, _, _, _ = two
+    base, _, _ = two
     records = history(base)
     assert all(math.isfinite(r["train_loss"]) and math.isfinite(r["grad_norm"]) for r in records)
     assert json.loads((base / "model" / "train_summary.json").read_text())["skipped_steps"] == 0
@@ -189,23 +197,72 @@ def test_a_dead_expert_and_a_routed_block_that_keeps_no_token_train_on_two_proce
 
 
 def test_sharded_runs_resume_from_their_own_checkpoints(two):
-    base, env, port, name = two
+    base, env, name = two
     if name == "ddp":
-        pytest.skip("a DDP checkpoint is the single-process one; its resume is tested below, after SIGKILL")
+        pytest.skip("DDP's resume on two ranks is tested below, after SIGKILL")
     (folder,) = [p for p in (base / "ckpt").iterdir() if (p / "fingerprint.json").is_file()]
     first, records = weights(base), history(base)
     shutil.rmtree(folder / "step_00000020")
     shutil.rmtree(base / "model")
-    torchrun(base, env, port)
+    two_ranks(base, env)
     assert json.loads((base / "train_run.json").read_text())["resumed_from"] == 15
     again = weights(base)
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
     assert [r["train_loss"] for r in records] == [r["train_loss"] for r in history(base)]
 
 
+def resume_copy(base: Path, tmp: Path, env: dict, ranks: int, **train) -> subprocess.CompletedProcess:
+    """`base`'s run resumed from its checkpoint at step 15 (the one at 20 removed: as if stopped after 15), in a copy
+    of its checkpoints, on `ranks` processes the stage starts itself."""
+    copy = tmp / "copy"
+    shutil.copytree(base / "ckpt", copy / "ckpt")
+    shutil.copy(base / "plan.json", copy / "plan.json")
+    for last in (copy / "ckpt").glob("*/step_00000020"):
+        shutil.rmtree(last)
+    paths = {"checkpoint_dir": "ckpt", "model_dir": "model", "train_run": "train_run.json", "train_plan": "plan.json"}
+    sets = [f"paths.{key}={copy / name}" for key, name in paths.items()] + [f"launch.nproc_per_node={ranks}"]
+    sets += [f"train.{key}={value}" for key, value in train.items()]
+    done = subprocess.run([sys.executable, "-m", "tasks.train", "--params", str(base / "params.yaml"),
+                           *(x for s in sets for x in ("--set", s))], cwd=ROOT, env=env, capture_output=True, text=True)
+    (copy / "log").write_text(done.stdout + done.stderr)
+    return done
+
+
+def same_run(uninterrupted: Path, resumed: Path) -> None:
+    """The resumed run took the uninterrupted run's steps from 16 on, up to the reduction order of the ranks."""
+    assert json.loads((resumed / "train_run.json").read_text())["resumed_from"] == 15, (resumed / "log").read_text()[-3000:] if (resumed / "log").exists() else ""
+    one, other = history(uninterrupted), history(resumed)
+    assert [h["step"] for h in one] == [h["step"] for h in other] == list(range(1, 21))
+    for a, b in zip(one[15:], other[15:]):
+        assert abs(a["train_loss"] - b["train_loss"]) <= LOSS_RTOL * a["train_loss"], a["step"]
+    wa, wb = weights(uninterrupted), weights(resumed)
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < WEIGHT_ATOL
+
+
+def test_a_checkpoint_resumes_on_another_number_of_ranks(single, two, tmp_path):
+    """Two ranks → one process and one process → two ranks, at the same step with the same global batch and data
+    position: the loss history from there is the uninterrupted run's on the new number of ranks (within 1e-5).
+    DeepSpeed's per-rank ZeRO state refuses another number of ranks, naming both."""
+    base, env, name = two
+    backend, _ = BACKENDS[name]
+    to_one = resume_copy(base, tmp_path / "to_one", env, 1)
+    if backend == "deepspeed":
+        assert to_one.returncode == 1
+        assert "was written by DeepSpeed on 2 ranks and this run has 1" in to_one.stderr, to_one.stderr[-2000:]
+        assert not (tmp_path / "to_one" / "copy" / "model").exists()
+        return
+    assert to_one.returncode == 0, to_one.stderr[-3000:]
+    same_run(single, tmp_path / "to_one" / "copy")
+    to_two = resume_copy(single, tmp_path / "to_two", env, 2, backend=backend)
+    assert to_two.returncode == 0, to_two.stderr[-3000:]
+    same_run(base, tmp_path / "to_two" / "copy")
+    summary = json.loads((tmp_path / "to_two" / "copy" / "model" / "train_summary.json").read_text())
+    assert (summary["world_size"], summary["backend"]) == (2, backend)
+
+
 def kill_job(proc: subprocess.Popen) -> None:
-    """SIGKILL torchrun and its workers at once, as a lost node or the OOM killer would. torchrun starts each
-    worker in a session of its own, so killing the launcher's process group alone would leave them training."""
+    """SIGKILL the stage and its ranks at once, as a lost node or the OOM killer would. The elastic launcher starts
+    each rank in a session of its own, so killing the stage's process group alone would leave them training."""
     workers = psutil.Process(proc.pid).children(recursive=True)
     os.killpg(proc.pid, signal.SIGKILL)
     for worker in workers:
@@ -230,10 +287,10 @@ def test_two_processes_sigkilled_then_resumed_are_bitwise_identical(tmp_path):
 
     env = tracking(tmp_path)
     straight = project("straight")
-    torchrun(straight, env, 29567)
+    two_ranks(straight, env)
 
     killed = project("killed")
-    proc = launch(killed, env, 29577)
+    proc = launch(killed, env)
     deadline = time.monotonic() + 240
     while not any((killed / "ckpt").glob("*/step_00000010")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -241,7 +298,7 @@ def test_two_processes_sigkilled_then_resumed_are_bitwise_identical(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     assert not (killed / "model").exists(), "the run finished before it could be killed"
 
-    output = torchrun(killed, env, 29587)
+    output = two_ranks(killed, env)
     assert "resumed from" in output
     resumed = json.loads((killed / "train_run.json").read_text())["resumed_from"]
     assert 10 <= resumed < steps
@@ -271,11 +328,11 @@ def variant_single(request, tmp_path_factory) -> tuple[str, Path]:
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_each_variant_alone_trains_on_every_backend_like_one_process(variant_single, backend, tmp_path):
     variant, single_base = variant_single
-    kind, stage, port = BACKENDS[backend]
+    kind, stage = BACKENDS[backend]
     base = tiny_project(tmp_path, backend)
-    configure(base, model=VARIANTS[variant], max_steps=8, batch_size=4, log_every=1, checkpoint_every=4,
-              backend=kind, **({"deepspeed": {"zero_stage": stage}} if stage else {}))
-    torchrun(base, tracking(tmp_path), port + (1 if variant == "moe" else 2))
+    configure(base, model=VARIANTS[variant], max_steps=8, batch_size=4, grad_accum=2, log_every=1,
+              checkpoint_every=4, backend=kind, **({"deepspeed": {"zero_stage": stage}} if stage else {}))
+    two_ranks(base, tracking(tmp_path))
     one, two = history(single_base), history(base)
     assert [h["step"] for h in one] == [h["step"] for h in two] == list(range(1, 9))
     figure = "moe_entropy" if variant == "moe" else "dre_kept"
@@ -295,15 +352,15 @@ def test_a_time_budget_is_planned_once_by_rank_0_and_both_ranks_take_its_steps(t
     params["train"].update({"budget": "6s", "batch_size": None, "threads": 1, "attention": "torch",
                             "checkpoint_every": 40, "eval_every": 40})
     (base / "params.yaml").write_text(yaml.safe_dump(params))
-    output = torchrun(base, tracking(tmp_path), 29567)
+    output = two_ranks(base, tracking(tmp_path))
     assert output.count("plan: ") == 1 and "model.size auto: d_model" in output
     ((machine, entry),) = json.loads((base / "plan.json").read_text()).items()
     (plan,) = entry["plans"].values()
     assert machine.startswith("cpu/") and plan["machine"] == machine
     summary = json.loads((base / "model" / "train_summary.json").read_text())
     assert summary["steps"] == plan["max_steps"] > 0 and summary["plan"]["shape"] == plan["sizing"]["shape"]
-    # Two ranks of batch_size each: the plan's tokens per step counts both.
+    # The global batch is batch_size sequences on any number of ranks (half on each here).
     shape = plan["sizing"]["shape"]
-    assert plan["tokens_per_step"] == 2 * plan["sizing"]["batch_size"] * shape["seq_len"]
+    assert plan["tokens_per_step"] == plan["sizing"]["batch_size"] * shape["seq_len"]
     config = json.loads((base / "model" / "config.json").read_text())["model"]
     assert {k: config[k] for k in shape} == shape

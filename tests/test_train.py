@@ -9,7 +9,7 @@ from ultrathink.config import ModelConfig, TrainConfig
 from ultrathink.evaluate import bits_per_byte, unigram_cross_entropy
 from ultrathink.model import UltraThink
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
-from ultrathink.train.loader import TokenWindows, eval_batches
+from ultrathink.train.loader import BatchLayout, BatchSplitError, TokenWindows, eval_batches
 from ultrathink.train.optim import param_groups
 from ultrathink.train.schedule import lr_factor
 from ultrathink.train.distributed import Distributed
@@ -79,12 +79,26 @@ def test_loader_covers_each_window_once_per_epoch_and_resumes():
     assert all(torch.equal(a, next(again)[0]) for a in expected)
 
 
-def test_ranks_read_disjoint_windows():
-    tokens = np.arange(16 * 8 + 1, dtype=np.uint16)
-    r0, r1 = (TokenWindows(tokens, 16, 2, seed=1, rank=r, world_size=2) for r in (0, 1))
-    seen0 = {v for _ in range(2) for v in next(r0)[0][:, 0].tolist()}
-    seen1 = {v for _ in range(2) for v in next(r1)[0][:, 0].tolist()}
-    assert not seen0 & seen1 and len(seen0 | seen1) == 8
+def test_the_global_batch_is_the_same_on_any_number_of_ranks_and_each_rank_reads_its_own_part():
+    tokens = np.arange(16 * 12 + 1, dtype=np.uint16)  # 12 windows of 16
+    starts = lambda batch: batch[0][:, 0].tolist()  # noqa: E731
+    one = TokenWindows(tokens, 16, 2, seed=1, grad_accum=2)  # 4 sequences per step, in 2 micro-batches of 2
+    steps_one = [starts(next(one)) + starts(next(one)) for _ in range(2)]
+    for world in (2, 4):
+        ranks = [TokenWindows(tokens, 16, 2, seed=1, grad_accum=2, rank=r, world_size=world) for r in range(world)]
+        assert ranks[0].layout == BatchLayout(sequences=4, world_size=world, micro=4 // world, accum=1)
+        for expected in steps_one:  # rank by rank, the step's windows in the order one process reads them
+            assert sum((starts(next(loader)) for loader in ranks), []) == expected
+        assert all(loader.state_dict() == one.state_dict() for loader in ranks)  # one position, any world size
+
+
+def test_a_batch_layout_keeps_micro_batches_at_most_batch_size_and_refuses_an_uneven_split():
+    assert BatchLayout.split(16, 1, 1) == BatchLayout(16, 1, 16, 1)
+    assert BatchLayout.split(4, 6, 2) == BatchLayout(24, 2, 4, 3)  # 12 per rank: 3 micro-batches of 4
+    assert BatchLayout.split(4, 3, 2) == BatchLayout(12, 2, 3, 2)  # 6 per rank: 2 of 3, none over 4
+    with pytest.raises(BatchSplitError, match=r"12 sequences \(train.batch_size 4 × train.grad_accum 3\) cannot be "
+                       r"split evenly over 5 ranks"):
+        BatchLayout.split(4, 3, 5)
 
 
 def test_too_small_corpus_is_a_clear_error():
@@ -114,7 +128,7 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
     first = make_trainer(tmp_path / "b", 20)
     while first.step < 10:  # the run that gets killed after its checkpoint at step 10
         first.train_step()
-    first.checkpoints.save(first.step, first.model, first.state())
+    first.save_checkpoint()
 
     resumed = make_trainer(tmp_path / "b", 20, seed=99)  # a different seed: everything must come from the checkpoint
     assert resumed.resume() == 10
@@ -189,7 +203,7 @@ def test_other_optimizers_learn_and_resume_exactly(tmp_path, optimizer):
     killed = make_trainer(tmp_path / "b", 10, optimizer=optimizer, lr=3e-3)
     while killed.step < 5:
         killed.train_step()
-    killed.checkpoints.save(killed.step, killed.model, killed.state())
+    killed.save_checkpoint()
     resumed = make_trainer(tmp_path / "b", 10, optimizer=optimizer, lr=3e-3)
     assert resumed.resume() == 5
     resumed.fit()
@@ -294,7 +308,7 @@ def test_a_kill_while_best_is_replaced_keeps_the_previous_best(tmp_path, monkeyp
     assert (trainer.checkpoints.directory / "best").is_dir()
     # Killed a moment later, after the new best was in place: the old one is left over, and the next save clears it.
     (trainer.checkpoints.directory / ".best.replaced").mkdir()
-    trainer._save()
+    trainer.save_checkpoint()
     assert not (trainer.checkpoints.directory / ".best.replaced").exists()
     assert trainer.checkpoints.best().step == 5
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,8 +28,21 @@ def run_stage(name: str, params: Params, run: Callable[[Params], None] | None = 
         run(params)
     except StageError as exc:
         print(f"{name} failed: {exc}", file=sys.stderr)
+        _record_in_rank(exc)
         return 1
+    except Exception as exc:
+        _record_in_rank(exc)
+        raise
     return 0
+
+
+def _record_in_rank(exc: Exception) -> None:
+    """A rank started by a stage's launcher (launch.py) leaves its error in the error file the elastic agent named,
+    where the launching stage reads it."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(exc)
 
 
 def stage_entry(name: str, run: Callable[[Params], None]) -> None:

@@ -15,8 +15,11 @@ FINETUNE_BOOKKEEPING = frozenset({"enabled", "init_from", "eval_every", "samples
 
 def weights_knobs(train: TrainConfig) -> dict:
     """train's knobs that determine the weights (`init_from` enters a fingerprint as the parent's weights hash, not
-    as the text that named it)."""
-    return train.model_dump(exclude=set(TRAIN_BOOKKEEPING))
+    as the text that named it). How the ranks share the work does not, nor does their number (launch.*, which is
+    not in train): among the torch backends (one process, DDP, FSDP) a checkpoint resumes on any other, so only
+    the engine family counts, and DeepSpeed keeps checkpoints of its own."""
+    knobs = train.model_dump(exclude=set(TRAIN_BOOKKEEPING) | {"backend"})
+    return {**knobs, "engine": "deepspeed" if train.backend == "deepspeed" else "torch"}
 
 
 def training_params_hash(model: ModelConfig, train: TrainConfig) -> str:

@@ -559,6 +559,33 @@ class RegistryConfig(Section):
         return guard
 
 
+class LaunchConfig(Section):
+    """How many processes the train stage runs on. It starts its own ranks through PyTorch's elastic launcher (the
+    API behind torchrun), so `dvc repro`, `ultrathink run`, `ultrathink stage train` and the Prefect deployment use
+    them with no edit of dvc.yaml. No fingerprint holds these: a checkpoint resumes on any number of ranks."""
+
+    nproc_per_node: int = Field(1, ge=1, description="processes on this machine (one per GPU; on a CPU, gloo)")
+    nnodes: int = Field(1, ge=1, description="machines; each runs the stage with its own launch.node_rank")
+    node_rank: int | None = Field(None, ge=0, description="this machine's place among launch.nnodes (a static "
+                                  "rendezvous at launch.rdzv_endpoint); null: assigned by the c10d rendezvous")
+    rdzv_endpoint: str | None = Field(None, description="host:port that every machine reaches (launch.nnodes > 1); "
+                                      "null on one machine: 127.0.0.1 on a free port")
+    max_restarts: int = Field(0, ge=0, description="times the ranks are all restarted after one fails; each "
+                              "restart resumes from the last checkpoint")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @model_validator(mode="after")
+    def _nodes_meet(self):
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("launch.nnodes > 1 needs launch.rdzv_endpoint (host:port every machine reaches)")
+        if self.node_rank is not None and self.node_rank >= self.nnodes:
+            raise ValueError(f"launch.node_rank {self.node_rank} must be below launch.nnodes {self.nnodes}")
+        return self
+
+
 class LoggingConfig(Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="the least severe of our own log lines shown on stderr and written to the stage's log "
@@ -577,6 +604,7 @@ class Params(Section):
     evaluate: EvaluateConfig = EvaluateConfig()
     finetune: FinetuneConfig = FinetuneConfig()
     registry: RegistryConfig = RegistryConfig()
+    launch: LaunchConfig = LaunchConfig()
     logging: LoggingConfig = LoggingConfig()
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)

@@ -21,7 +21,7 @@ from ultrathink.config import FinetuneConfig
 from ultrathink.errors import StageError
 from ultrathink.model.chat import ROLES, assistant, user
 from ultrathink.scoring import chat_rows
-from ultrathink.train.loader import EpochOrder, OrderedBatches
+from ultrathink.train.loader import BatchLayout, OrderedBatches
 
 EMBEDDED = "embedded"
 PROMPT, RESPONSE, MESSAGES, PROBLEM, LINE = "prompt", "response", "messages", "problem", "line"
@@ -160,13 +160,15 @@ class ChatBatches(OrderedBatches):
     """Padded chat rows in a seeded order per epoch, for the Trainer: next() gives (x, y) with y IGNORE outside
     the answers; the position is (seed, epoch, position), so a resumed run reads the same batches."""
 
-    def __init__(self, tokenizer, chats: list[list[dict]], seq_len: int, batch_size: int, seed: int):
+    def __init__(self, tokenizer, chats: list[list[dict]], seq_len: int, batch_size: int, seed: int,
+                 rank: int = 0, world_size: int = 1):
         self.x, self.y, _ = chat_rows(tokenizer, chats, seq_len + 1)
-        self.seq_len, self.batch_size = seq_len, min(batch_size, len(chats))
-        self.order = EpochOrder(len(self.x), seed)
+        self.seq_len = seq_len
+        self._start_order(len(self.x), seed, True, BatchLayout.split(min(batch_size, len(chats)), 1, world_size),
+                          rank)
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = torch.from_numpy(self.order.take(self.batch_size))
+        rows = torch.from_numpy(self.next_rows())
         return self.x[rows], self.y[rows]
 
 

@@ -344,8 +344,12 @@ class UltraThink(nn.Module):
         out_dir.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in (state_dict or self.state_dict()).items()}
         save_file(state, out_dir / WEIGHTS_FILE, metadata={"format": "pt"})
+        self.save_config(out_dir)
+
+    def save_config(self, out_dir: str | Path) -> None:
+        """config.json alone: what builds this model, beside weights written elsewhere (sharded checkpoints)."""
         config = {"format": "ultrathink", "vocab_size": self.vocab_size, "model": self.cfg.model_dump()}
-        (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+        (Path(out_dir) / CONFIG_FILE).write_text(json.dumps(config, indent=2))
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, device: str | torch.device = "cpu",

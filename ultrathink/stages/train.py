@@ -14,6 +14,7 @@ from ultrathink.config.fingerprint import training_params_hash
 from ultrathink.hashing import directory_hash, file_sha256, json_hash
 from ultrathink.data.tokens import load_split, read_meta
 from ultrathink.io import atomic_dir, atomic_write_json
+from ultrathink.launch import run_ranks, starts_ranks
 from ultrathink.lineage import TRAINING_CODE, code_hash, lineage_tags
 from ultrathink.model import UltraThink
 from ultrathink.model.model import WEIGHTS_FILE
@@ -94,8 +95,8 @@ def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[
         load_parent_weights(parent, model, tok_sha, tokenizer_dir)
         if cfg.init_optimizer:
             check_optimizer(parent, cfg.optimizer)
-    loader = TokenWindows(train_tokens, model_cfg.seq_len, cfg.batch_size, cfg.seed,
-                          rank=dist.rank, world_size=dist.world_size)
+    loader = TokenWindows(train_tokens, model_cfg.seq_len, cfg.batch_size, cfg.seed, rank=dist.rank,
+                          world_size=dist.world_size, grad_accum=cfg.grad_accum)
     engine = build_engine(ready_model(model, cfg, plan.kernel, dist), cfg, dist)
     trainer = Trainer(engine, loader, val_tokens, cfg, checkpoints, log_metrics, dist, peak_flops=decided.peak_flops,
                       deadline=deadline(params, decided))
@@ -122,6 +123,9 @@ def deadline(params: Params, decided: Decided) -> Deadline | None:
 
 
 def run(params: Params) -> None:
+    if starts_ranks(params.launch):  # launch.* asks for several processes: start them, each runs this stage
+        run_ranks("train", params)
+        return
     cfg = params.train
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -184,7 +188,8 @@ def train_and_record(params: Params, trainer: Trainer, resumed: int | None, pare
                    "final_train_loss": result.history[-1]["train_loss"],
                    "final_val_loss": result.history[-1].get("val_loss"), "best_val_loss": result.best_val_loss,
                    "skipped_steps": result.skipped_steps, "stopped_early": result.stopped_early,
-                   "select": params.train.select, "selected_step": selected, "plan": plan.summary()}
+                   "select": params.train.select, "selected_step": selected, "plan": plan.summary(),
+                   "world_size": trainer.dist.world_size, "backend": trainer.dist.backend}
         lineage = {"fingerprint": checkpoints.fingerprint.id, "parts": asdict(checkpoints.fingerprint),
                    "tokenizer_sha256": checkpoints.extra["tokenizer_sha256"], "machine": plan.machine,
                    "parent": parent.tags() if parent else None, "selected_step": selected}

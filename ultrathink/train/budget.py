@@ -91,13 +91,14 @@ def probe_shape(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens,
                                            "compile": train_cfg.compile is True})
         dist = Distributed(device=device)
         engine = build_engine(ready_model(UltraThink(model_cfg, vocab_size), cfg, attention, dist), cfg, dist)
-        trainer = Trainer(engine, TokenWindows(train_tokens, model_cfg.seq_len, cfg.batch_size, cfg.seed), val_tokens,
+        trainer = Trainer(engine, TokenWindows(train_tokens, model_cfg.seq_len, cfg.batch_size, cfg.seed,
+                                               grad_accum=cfg.grad_accum), val_tokens,
                           cfg, CheckpointManager(tmp, Fingerprint("probe", "probe", "probe"), keep=1, keep_configs=1),
                           dist=dist)
         first = [_timed(trainer.train_step, device) for _ in range(PROBE_WARMUP_STEPS)]
         steps = [_timed(trainer.train_step, device) for _ in range(PROBE_STEPS)]
         eval_seconds = _timed(trainer.validate, device)
-        save_seconds = _timed(trainer._save, device)
+        save_seconds = _timed(trainer.save_checkpoint, device)
     step = statistics.median(steps)
     return Probe(step, max(0.0, sum(first) - PROBE_WARMUP_STEPS * step), eval_seconds, save_seconds,
                  time.perf_counter() - started)

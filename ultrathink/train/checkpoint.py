@@ -8,11 +8,13 @@ parts and when it was last used; the least recently used folders beyond `train.k
 one in use.
 
 A checkpoint is a directory `step_00000100/` (or `best/`) in that folder, holding
-  model.safetensors + config.json   the weights (safetensors: no pickle),
-  state.pt                          optimizer, scheduler, RNG states, loader position, history: tensors and plain
-                                    containers only, read back with torch.load(weights_only=True),
+  model.safetensors + config.json   the weights (safetensors: no pickle); under FSDP written from the ranks' shards,
+  state.pt                          scheduler, RNG states, loader position, history, the optimizers' param groups:
+                                    tensors and plain containers only, read back with torch.load(weights_only=True),
+  optimizer/                        (torch engines) the optimizer state keyed by parameter name, one safetensors file
+                                    per rank with its own shards (sharded.py): resumable on any number of ranks,
   deepspeed/                        (backend deepspeed) every rank's shard of the optimizer state, DeepSpeed's format,
-  manifest.json                     step, config fingerprint and the sha256 of every file above.
+  manifest.json                     step, config fingerprint, the ranks that wrote it, the sha256 of every file above.
 It is written under a temporary name and renamed into place, so a process killed mid-write leaves no directory that
 looks complete; on load, a checkpoint whose files do not match its manifest is skipped with a warning. With several
 processes, every rank writes its shards into the same temporary directory (a shared filesystem across nodes) and
@@ -44,7 +46,6 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 FINGERPRINT_FILE = "fingerprint.json"
 STATE_FILE = "state.pt"
-SHARDS_DIR = "deepspeed"
 BEST = "best"
 PARTIAL = ".partial"  # suffix of a checkpoint being written
 REPLACED = ".replaced"  # suffix of a checkpoint being replaced by a newer one of the same name (best/)
@@ -104,27 +105,30 @@ class CheckpointManager:
 
     def save(self, step: int, model, state: dict[str, Any], name: str | None = None,
              weights: dict[str, torch.Tensor] | None = None, shards: Callable[[Path], None] | None = None,
-             dist: Distributed | None = None) -> Path:
+             dist: Distributed | None = None, weights_in_shards: bool = False) -> Path:
         """Write `step_<step>/` (or `name/`, e.g. the best checkpoint, kept apart from the last N). `weights`:
         the full state dict when the model itself holds only a shard. `shards(dir)`: called on every rank to
-        write its part of the state into `dir` (collective); all ranks must call save."""
+        write its part of the state into the checkpoint's directory (collective), and with `weights_in_shards`
+        that includes model.safetensors; all ranks must call save."""
         dist = dist or Distributed()
         final = self.directory / (name or f"step_{step:08d}")
         tmp = self.directory / f".{final.name}{PARTIAL}"  # one name that every rank agrees on
         if dist.is_main:
-            weights = weights if weights is not None else model.state_dict()
-            bad = [n for n, p in weights.items() if p.is_floating_point() and not torch.isfinite(p).all()]
-            if bad:
-                raise ValueError(f"refusing to checkpoint non-finite weights ({', '.join(bad[:3])})")
+            if not weights_in_shards:
+                weights = weights if weights is not None else model.state_dict()
+                bad = [n for n, p in weights.items() if p.is_floating_point() and not torch.isfinite(p).all()]
+                if bad:
+                    raise ValueError(f"refusing to checkpoint non-finite weights ({', '.join(bad[:3])})")
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
         try:
             if shards is not None:
-                shards(tmp / SHARDS_DIR)
+                shards(tmp)
                 dist.barrier()
             if dist.is_main:
-                self._commit(tmp, final, step, model, state, weights)
+                ranks = {"world_size": dist.world_size, "backend": dist.backend}
+                self._commit(tmp, final, step, model, state, None if weights_in_shards else weights, ranks)
         except BaseException:
             if dist.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -133,12 +137,15 @@ class CheckpointManager:
         return final
 
     def _commit(self, tmp: Path, final: Path, step: int, model, state: dict[str, Any],
-                weights: dict[str, torch.Tensor] | None) -> None:
-        model.save_pretrained(tmp, weights)
+                weights: dict[str, torch.Tensor] | None, ranks: dict) -> None:
+        if weights is None:  # model.safetensors is already there, written from the shards
+            model.save_config(tmp)
+        else:
+            model.save_pretrained(tmp, weights)
         torch.save(state, tmp / STATE_FILE)
         files = {str(p.relative_to(tmp)): file_sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = {"step": step, "fingerprint": self.fingerprint.id, "parts": asdict(self.fingerprint), **self.extra,
-                    "files": files}
+                    **ranks, "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         _fsync_dir(tmp)
         replaced = _replaced(final)

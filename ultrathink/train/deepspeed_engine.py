@@ -23,27 +23,29 @@ from pathlib import Path
 import torch
 
 from ultrathink.config import TrainConfig
-from ultrathink.train.checkpoint import SHARDS_DIR
+from ultrathink.errors import StageError
 from ultrathink.train.distributed import Distributed
+from ultrathink.train.loader import BatchLayout
 from ultrathink.train.optim import build_optimizers
 from ultrathink.train.precision import resolve_precision
 
-TAG = "ds"  # DeepSpeed's tag folder inside a checkpoint's SHARDS_DIR
+SHARDS_DIR = "deepspeed"  # DeepSpeed's own checkpoint files, inside ours
+TAG = "ds"  # DeepSpeed's tag folder inside SHARDS_DIR
 NEVER = 2**31 - 1  # DeepSpeed's own progress printing: off (the trainer prints the step line)
 
 
 def ds_config(cfg: TrainConfig, precision: str, world_size: int) -> dict:
     """The DeepSpeed config for these train.* params."""
-    ds = cfg.deepspeed
+    ds, layout = cfg.deepspeed, BatchLayout.split(cfg.batch_size, cfg.grad_accum, world_size)
     zero: dict = {"stage": ds.zero_stage}
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu"}
     if ds.offload_params:
         zero["offload_param"] = {"device": "cpu"}
     config = {
-        "train_micro_batch_size_per_gpu": cfg.batch_size,
-        "gradient_accumulation_steps": cfg.grad_accum,
-        "train_batch_size": cfg.batch_size * cfg.grad_accum * world_size,
+        "train_micro_batch_size_per_gpu": layout.micro,
+        "gradient_accumulation_steps": layout.accum,
+        "train_batch_size": layout.sequences,
         "gradient_clipping": cfg.grad_clip,
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,  # our torch optimizer, not one DeepSpeed compiles
@@ -73,6 +75,10 @@ def safe_checkpoint_engine():
                 return torch.load(path, map_location=map_location, weights_only=True)
 
     return SafeTorchCheckpointEngine()
+
+
+class WorldSizeError(StageError):
+    """A DeepSpeed checkpoint cannot resume on another number of ranks."""
 
 
 class DeepSpeedEngine:
@@ -114,9 +120,18 @@ class DeepSpeedEngine:
 
     def save_shards(self, directory: Path) -> None:
         """Collective: every rank writes its part of the optimizer state."""
-        self.module.save_checkpoint(str(directory), tag=TAG, save_latest=False)
+        self.module.save_checkpoint(str(directory / SHARDS_DIR), tag=TAG, save_latest=False)
+
+    writes_weights = False  # the main rank holds (ZeRO-1/2) or gathers (ZeRO-3) the full weights
 
     def load(self, checkpoint, state: dict) -> None:
+        written_by = checkpoint.manifest.get("world_size", self.dist.world_size)
+        if written_by != self.dist.world_size:
+            raise WorldSizeError(
+                f"{checkpoint.path} was written by DeepSpeed on {written_by} ranks and this run has "
+                f"{self.dist.world_size}: its ZeRO optimizer state is partitioned per rank and is not resharded "
+                f"here. Resume on {written_by} ranks (launch.nproc_per_node × launch.nnodes), or start over with "
+                "train.resume: false (the checkpoints are kept aside)")
         path, _ = self.module.load_checkpoint(str(checkpoint.path / SHARDS_DIR), tag=TAG, load_module_strict=True,
                                               load_optimizer_states=True, load_lr_scheduler_states=False)
         if path is None:
@@ -130,7 +145,8 @@ class DeepSpeedEngine:
             state = self.model.state_dict()
         return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_weights_from(self, checkpoint) -> None:
+        weights = checkpoint.load_weights()
         if self.stage != 3:
             self.model.load_state_dict(weights)
             return

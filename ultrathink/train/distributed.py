@@ -1,14 +1,15 @@
 """The one place where the distributed backend is chosen. The trainer sees a `Distributed` object: it wraps the
-model, says whether this process is the main one (the only one that logs and writes files), moves full model and
-optimizer state in and out of checkpoints, and averages numbers across processes. Launched by torchrun, the
-environment (RANK, WORLD_SIZE, ...) says how many processes there are; each reads its own slice of every global batch.
+model, says whether this process is the main one (the only one that logs and writes files),
+gathers the final weights, and averages numbers across processes. Launched by torchrun or by a stage itself
+(launch.py), the environment (RANK, WORLD_SIZE, ...) says how many processes there are; each reads its own slice of
+every global batch.
 
 - ddp:  DistributedDataParallel. Gradients are all-reduced after backward, so every rank holds the same model and
         optimizer state (checked before each checkpoint) and the main rank's state is everyone's.
 - deepspeed: DeepSpeed ZeRO (deepspeed_engine.py), also for a single process (a process group of one).
-- fsdp: FSDP2 (`fully_shard`, one unit per block). Parameters, gradients and optimizer state are sharded; saving
-        gathers full weights (the same safetensors a single process writes) and a full optimizer state keyed by
-        parameter name, and loading scatters them back, so a checkpoint does not depend on the number of ranks.
+- fsdp: FSDP2 (`fully_shard`, one unit per block). Parameters, gradients and optimizer state are sharded; each rank
+        writes its own shards of a checkpoint and reads back its own slices (sharded.py), so a checkpoint does not
+        depend on the number of ranks and no rank holds the whole state.
 """
 
 from __future__ import annotations
@@ -27,13 +28,6 @@ import torch.nn as nn
 
 from ultrathink.model.routing import StepStats, flatten, unflatten
 
-Optimizers = list[torch.optim.Optimizer]
-
-
-def _full_options():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 @dataclass
@@ -72,38 +66,14 @@ class Distributed:
             return fully_shard(model)
         return model
 
-    # ---- state in and out (collective under fsdp: every rank must call) ----------------------------------------
     def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's weights on the main rank (collective under FSDP: gathered, once, for the final model;
+        checkpoints are written from the shards, sharded.py)."""
         if not self.sharded:
             return model.state_dict()
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(model, options=_full_options())
-
-    def load_model_state(self, model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
-        if not self.sharded:
-            model.load_state_dict(weights)
-            return
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-        set_model_state_dict(model, weights, options=_full_options())
-
-    def optimizer_state(self, model: nn.Module, optimizers: Optimizers) -> list[dict]:
-        if not self.sharded:
-            return [opt.state_dict() for opt in optimizers]
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        return [get_optimizer_state_dict(model, opt, options=_full_options()) for opt in optimizers]
-
-    def load_optimizer_state(self, model: nn.Module, optimizers: Optimizers, states: list[dict]) -> None:
-        if not self.sharded:
-            for opt, state in zip(optimizers, states):
-                opt.load_state_dict(state)
-            return
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-        for opt, state in zip(optimizers, states):
-            set_optimizer_state_dict(model, opt, state, options=_full_options())
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     # ---- small collectives ---------------------------------------------------------------------------------
     def mean(self, value: float) -> float:

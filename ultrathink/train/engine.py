@@ -18,7 +18,9 @@ import torch
 
 from ultrathink.config import TrainConfig
 from ultrathink.device import device_type
+from ultrathink.train import sharded
 from ultrathink.train.distributed import Distributed, as_float
+from ultrathink.train.loader import BatchLayout
 from ultrathink.train.optim import build_optimizers
 from ultrathink.train.precision import resolve_precision
 
@@ -42,10 +44,12 @@ class Engine(Protocol):
     def autocast(self): ...
     def backward(self, loss: torch.Tensor) -> None: ...
     def step(self, loss: float) -> tuple[float, bool]: ...
+    writes_weights: bool  # save_shards writes the checkpoint's model.safetensors (no full gather for it)
+
     def state_dict(self) -> dict: ...
     def load(self, checkpoint, state: dict) -> None: ...
     def model_state(self) -> dict[str, torch.Tensor]: ...
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None: ...
+    def load_weights_from(self, checkpoint) -> None: ...
     def save_shards(self, directory: Path) -> None: ...
     def check_replicas(self) -> None: ...
 
@@ -57,6 +61,7 @@ class TorchEngine:
         if cfg.compile is True:  # auto is decided before training (budget.py); a Trainer given auto runs eager
             self.module = torch.compile(self.module)
         self.optimizers = build_optimizers(model, cfg)
+        self.accum = BatchLayout.split(cfg.batch_size, cfg.grad_accum, dist.world_size).accum
         # fp16 needs loss scaling so small gradients do not underflow; bf16 and fp32 do not (scaler disabled).
         self.scaler = torch.amp.GradScaler(dist.kind, enabled=resolve_precision(cfg.precision, dist.kind) == "fp16")
 
@@ -64,7 +69,7 @@ class TorchEngine:
         return autocast(self.cfg.precision, self.dist.device)
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.scaler.scale(loss / self.cfg.grad_accum).backward()
+        self.scaler.scale(loss / self.accum).backward()
 
     def step(self, loss: float) -> tuple[float, bool]:
         """Clip and apply the accumulated gradients: (norm before clipping, whether the update was applied). A
@@ -87,25 +92,44 @@ class TorchEngine:
         return grad_norm, applied
 
     def state_dict(self) -> dict:
-        return {"optimizers": self.dist.optimizer_state(self.model, self.optimizers),
+        """What state.pt carries; the optimizers' tensors go to the shards (save_shards)."""
+        return {"optimizer_groups": sharded.optimizer_groups(self.model, self.optimizers),
                 "grad_scaler": self.scaler.state_dict()}
 
-    def load(self, checkpoint, state: dict) -> None:
-        self.dist.load_model_state(self.model, checkpoint.load_weights())
-        self.load_optimizer(state)
+    def save_shards(self, directory: Path) -> None:
+        """Every rank writes its shards of the optimizer state (sharded.py) and, under FSDP, of the weights,
+        which become one model.safetensors without being gathered anywhere (collective)."""
+        if self.dist.sharded:
+            self._refuse_non_finite()
+            sharded.save_weights_from_shards(self.model, directory, self.dist.is_main)
+        sharded.save_optimizers(self.model, self.optimizers, directory)
 
-    def load_optimizer(self, state: dict) -> None:
-        self.dist.load_optimizer_state(self.model, self.optimizers, state["optimizers"])
+    @property
+    def writes_weights(self) -> bool:
+        """Whether save_shards writes model.safetensors itself (so nobody gathers the weights for it)."""
+        return self.dist.sharded
+
+    def _refuse_non_finite(self) -> None:
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.state_dict().values()]
+        bad = torch.tensor([sum(not torch.isfinite(t).all().item() for t in local if t.is_floating_point())],
+                           dtype=torch.float64)
+        torch.distributed.all_reduce(bad)
+        if bad.item():
+            raise ValueError("refusing to checkpoint non-finite weights")
+
+    def load(self, checkpoint, state: dict) -> None:
+        sharded.load_weights(self.model, checkpoint.path)
+        self.load_optimizer(checkpoint, state)
+
+    def load_optimizer(self, checkpoint, state: dict) -> None:
+        sharded.load_optimizers(self.model, self.optimizers, checkpoint.path, state["optimizer_groups"])
         self.scaler.load_state_dict(state["grad_scaler"])
 
     def model_state(self) -> dict[str, torch.Tensor]:
         return self.dist.model_state(self.model)
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        self.dist.load_model_state(self.model, weights)
-
-    def save_shards(self, directory: Path) -> None:
-        """Nothing beyond state.pt and the weights: the full optimizer state travels in state_dict()."""
+    def load_weights_from(self, checkpoint) -> None:
+        sharded.load_weights(self.model, checkpoint.path)
 
     def check_replicas(self) -> None:
         if not self.dist.sharded:  # under FSDP each rank holds its own shard, not a replica

@@ -3,12 +3,52 @@
 The token stream is cut into non-overlapping windows of seq_len+1 tokens; each epoch visits every window once in a
 permutation drawn from (seed, epoch). The loader's position is two integers, so a resumed run reads exactly the
 batches the uninterrupted run would have read.
+
+An optimizer step reads one global batch, train.batch_size × train.grad_accum sequences, whatever the number of
+ranks: with N ranks each takes its own contiguous 1/N of it (BatchLayout). The position therefore does not depend on
+the number of ranks, and a run checkpointed on 2 ranks resumes on 1 or 4 at the same place in the data.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
+
+from ultrathink.errors import StageError
+
+
+class BatchSplitError(StageError):
+    """The global batch cannot be split evenly over the ranks."""
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """One optimizer step's global batch of `sequences` split over `world_size` ranks: each takes `accum`
+    micro-batches of `micro` sequences (never more than train.batch_size, so memory per rank does not grow)."""
+
+    sequences: int
+    world_size: int
+    micro: int
+    accum: int
+
+    @classmethod
+    def split(cls, batch_size: int, grad_accum: int, world_size: int = 1) -> BatchLayout:
+        sequences = batch_size * grad_accum
+        if sequences % world_size:
+            raise BatchSplitError(
+                f"the global batch of {sequences} sequences (train.batch_size {batch_size} × train.grad_accum "
+                f"{grad_accum}) cannot be split evenly over {world_size} ranks: make it a multiple of {world_size}")
+        per_rank = sequences // world_size
+        accum = -(-per_rank // batch_size)  # the fewest micro-batches of at most batch_size
+        while per_rank % accum:
+            accum += 1
+        return cls(sequences, world_size, per_rank // accum, accum)
+
+    @property
+    def per_rank(self) -> int:
+        return self.micro * self.accum
 
 
 class EpochOrder:
@@ -42,15 +82,29 @@ class EpochOrder:
 
 
 class OrderedBatches:
-    """A loader whose position is an EpochOrder (`self.order`): checkpointed and resumed with it."""
+    """A loader whose position is an EpochOrder: checkpointed and resumed with it. Each optimizer step takes the
+    layout's global batch from the order; this rank reads its own slice of it, a micro-batch per call."""
 
-    order: EpochOrder
+    def _start_order(self, n: int, seed: int, shuffle: bool, layout: BatchLayout, rank: int) -> None:
+        self.order, self.layout, self.rank = EpochOrder(n, seed, shuffle), layout, rank
+        self._micro_batches: list[np.ndarray] = []  # what is left of this rank's share of the current step
+
+    def next_rows(self) -> np.ndarray:
+        """The indices of this rank's next micro-batch."""
+        if not self._micro_batches:
+            step, size = self.order.take(self.layout.sequences), self.layout.per_rank
+            mine = step[self.rank * size : (self.rank + 1) * size]
+            self._micro_batches = list(mine.reshape(self.layout.accum, self.layout.micro))
+        return self._micro_batches.pop(0)
 
     def state_dict(self) -> dict[str, int]:
+        if self._micro_batches:  # checkpoints are taken between optimizer steps
+            raise RuntimeError("the loader is in the middle of an optimizer step's batch")
         return self.order.state_dict()
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.order.load_state_dict(state)
+        self._micro_batches = []
 
     def __iter__(self):
         return self
@@ -58,20 +112,18 @@ class OrderedBatches:
 
 class TokenWindows(OrderedBatches):
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, shuffle: bool = True,
-                 rank: int = 0, world_size: int = 1):
-        self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
-        self.rank, self.world_size = rank, world_size
+                 rank: int = 0, world_size: int = 1, grad_accum: int = 1):
+        self.tokens, self.seq_len = tokens, seq_len
+        layout = BatchLayout.split(batch_size, grad_accum, world_size)
         self.n_windows = (len(tokens) - 1) // seq_len
-        if self.n_windows < batch_size * world_size:
+        if self.n_windows < layout.sequences:
             raise ValueError(
                 f"{len(tokens)} tokens make {self.n_windows} windows of {seq_len + 1}, fewer than one batch "
-                f"({batch_size} × {world_size} ranks): use a larger corpus or a smaller seq_len / batch_size")
-        self.order = EpochOrder(self.n_windows, seed, shuffle)
+                f"({layout.sequences} sequences): use a larger corpus or a smaller seq_len / batch_size")
+        self._start_order(self.n_windows, seed, shuffle, layout, rank)
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        # Each rank takes its own contiguous slice of the global batch: disjoint data across ranks.
-        step = self.order.take(self.batch_size * self.world_size)
-        windows = step[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+        windows = self.next_rows()
         batch = np.stack([self.tokens[w * self.seq_len : w * self.seq_len + self.seq_len + 1] for w in windows])
         batch = torch.from_numpy(batch.astype(np.int64))
         return batch[:, :-1], batch[:, 1:]
@@ -81,7 +133,7 @@ def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int, max_batches:
     """The validation split in order, as (x, y) batches; the same batches on every call."""
     loader = TokenWindows(tokens, seq_len, min(batch_size, max(1, (len(tokens) - 1) // seq_len)), seed=0,
                           shuffle=False)
-    n = loader.n_windows // loader.batch_size
+    n = loader.n_windows // loader.layout.sequences
     for _ in range(n if max_batches is None else min(n, max_batches)):
         yield next(loader)
 

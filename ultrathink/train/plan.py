@@ -153,9 +153,13 @@ NOT_PLANNED = frozenset({"keep_checkpoints", "keep_configs", "log_every", "resum
 
 def configuration_key(model_cfg, train_cfg, vocab_size: int, train_tokens: int, val_tokens: int,
                       world_size: int) -> str:
-    """What a plan is measured for: the model and train knobs, the vocabulary, the splits' sizes, the ranks."""
+    """What a plan is measured for: the model and train knobs, the vocabulary, the splits' sizes, and the number of
+    ranks only where a time budget makes the plan depend on their speed. Otherwise a run resumed on another number
+    of ranks reads the same plan, so its checkpoints' fingerprint is the same."""
+    timed = train_cfg.budget is not None and Budget.parse(train_cfg.budget).kind == "seconds"
     return json_hash({"model": model_cfg.model_dump(), "train": train_cfg.model_dump(exclude=set(NOT_PLANNED)),
-                      "vocab_size": vocab_size, "tokens": [train_tokens, val_tokens], "world_size": world_size})
+                      "vocab_size": vocab_size, "tokens": [train_tokens, val_tokens],
+                      "world_size": world_size if timed else None})
 
 
 class PlanBook:
@@ -338,13 +342,13 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, devi
                 if probes and probes[-1][0] == (shaped[0], shaped[1].batch_size):
                     break
                 probes.append(((shaped[0], shaped[1].batch_size), measure(*shaped)))
-                tokens_per_step = shaped[1].batch_size * shaped[1].grad_accum * shaped[0].seq_len * world_size
+                tokens_per_step = shaped[1].batch_size * shaped[1].grad_accum * shaped[0].seq_len
                 rate = round_figures(sized.flops_per_token * tokens_per_step / probes[-1][1][2].step_seconds)
         else:
             sized = sizing.choose(model_cfg, vocab_size, corpus, batch_size=train_cfg.batch_size,
                                   **{"flops" if budget.kind == "flops" else "tokens": budget.amount})
         model_cfg, train_cfg = _sized(model_cfg, train_cfg, sized)
-    tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * model_cfg.seq_len * world_size
+    tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * model_cfg.seq_len  # the global batch
     flops_per_token = sizing.counts(sizing.Shape(*(getattr(model_cfg, k) for k in sizing.SHAPE_KEYS)),
                                     model_cfg, vocab_size)[2]
     measured = None

@@ -130,7 +130,8 @@ class Trainer:
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.counters = Counters()
-        self.tokens_per_step = cfg.batch_size * cfg.grad_accum * train_loader.seq_len * self.dist.world_size
+        self.layout = train_loader.layout  # the global batch, and this rank's micro-batches of it
+        self.tokens_per_step = self.layout.sequences * train_loader.seq_len
 
     # ---- checkpoint state -------------------------------------------------------------------------------------
     def state(self) -> dict:
@@ -188,11 +189,11 @@ class Trainer:
     def load_optimizer_from(self, checkpoint) -> None:
         """Warm start: take a checkpoint's optimizer state (the schedule stays this run's). TorchEngine only: the
         schema refuses train.init_optimizer with DeepSpeed, whose optimizer state is sharded per rank."""
-        self.engine.load_optimizer(checkpoint.load_state()["engine"])
+        self.engine.load_optimizer(checkpoint, checkpoint.load_state()["engine"])
 
     # ---- the loop -------------------------------------------------------------------------------------------
     def train_step(self) -> tuple[float, float, dict[str, float]] | None:
-        """One optimizer step over grad_accum micro-batches: (mean loss, gradient norm before clipping, routing
+        """One optimizer step over this rank's micro-batches of the global batch: (mean loss, gradient norm before clipping, routing
         figures), or None when the loss or gradient is not finite — then the update is skipped and counted.
 
         Routing variants (MoE, DRE) report statistics with each forward; they are summed over micro-batches and
@@ -200,12 +201,12 @@ class Trainer:
         state, on every rank from the same numbers; a skipped step's statistics are dropped with it."""
         self.engine.module.train()
         total, stats = 0.0, {}
-        for _ in range(self.cfg.grad_accum):
+        for _ in range(self.layout.accum):
             x, y = (t.to(self.dist.device, non_blocking=True) for t in next(self.loader))
             with self.engine.autocast():
                 out = self.engine.module(x, y)
             self.engine.backward(out.loss)
-            total += out.loss.item() / self.cfg.grad_accum
+            total += out.loss.item() / self.layout.accum
             stats = routing.add(stats, out.routing)
         total = self.dist.mean(total)  # every rank sees the same loss, so all take the same skip decision
         stats = self.dist.sum_stats(stats)
@@ -230,13 +231,14 @@ class Trainer:
                 f"{self.step + 1} (train.max_bad_steps={self.cfg.max_bad_steps}); lower train.lr or check the data. "
                 f"The last good checkpoint is kept in {self.checkpoints.directory}")
 
-    def _save(self, name: str | None = None) -> None:
+    def save_checkpoint(self, name: str | None = None) -> None:
         """Every rank takes part (gathering weights, writing its shards); the main process writes the rest."""
         self.engine.check_replicas()
         self.dist.check_routing_state(self.model)
-        weights, state = self.full_weights(), self.state()
+        from_shards = self.engine.writes_weights  # FSDP: nobody gathers the weights for a checkpoint
+        weights, state = None if from_shards else self.full_weights(), self.state()
         self.checkpoints.save(self.step, self.model, state, name=name, weights=weights,
-                              shards=self.engine.save_shards, dist=self.dist)
+                              shards=self.engine.save_shards, dist=self.dist, weights_in_shards=from_shards)
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The whole model's weights (gathered from all ranks under FSDP and ZeRO-3; collective there)."""
@@ -290,7 +292,7 @@ class Trainer:
                 with pace.aside("eval"):
                     record["val_loss"] = self.validate()
                     if self._count_validation(record["val_loss"]):
-                        self._save(name="best")  # kept apart from the last N checkpoints
+                        self.save_checkpoint(name="best")  # kept apart from the last N checkpoints
                     stop = self.counters.stopped_early
             if self.dist.is_main:
                 self.log_metrics(record, self.step)  # every step to the tracker; console and history less often
@@ -301,7 +303,7 @@ class Trainer:
                                                      self.model.routing_line(record)])))
             if self.step % cfg.checkpoint_every == 0 or last or stop:
                 with pace.aside("save"):
-                    self._save()
+                    self.save_checkpoint()
             if self.deadline is not None and not last and not stop and self._replan(pace, first_step):
                 bar.total = self.cfg.max_steps
         bar.close()
@@ -366,7 +368,7 @@ class Trainer:
             return self.step
         log.warning("train.select=best: the model is step %d's (val %.4f), not the last step %d's",
                     best.step, self.counters.best_val, self.step)
-        self.engine.load_weights(best.load_weights())
+        self.engine.load_weights_from(best)
         return best.step
 
 

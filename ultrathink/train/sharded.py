@@ -1,0 +1,149 @@
+"""Model and optimizer state in and out of checkpoints through torch.distributed.checkpoint (DCP), for the torch
+engines (one process, DDP, FSDP2), in a form that does not depend on the number of ranks.
+
+- The optimizer state is keyed by parameter name (`<optimizer>.<parameter>.<state>`, e.g. `0.blocks.1.mlp.up.weight
+  .exp_avg`) and written by every rank, each its own shards (under FSDP its slice of each tensor; replicated tensors
+  by one rank), into `optimizer/shard-<rank>-*.safetensors`. The param groups (learning rates, names) are plain
+  values and travel in state.pt.
+- The weights are one plain `model.safetensors`. Under FSDP each rank writes its slices and the main rank joins
+  the files into it, a slice at a time (join_shards): no rank ever holds the whole model.
+- Loading reads each rank's own slices of every tensor (safetensors' lazy slices), whatever the number or layout of
+  the ranks that wrote them: a checkpoint of 2 FSDP ranks resumes on 1 process, on DDP or on 4 FSDP ranks.
+
+Everything is safetensors: DCP's default format would pickle its metadata and any non-tensor value, and a
+checkpoint must never be unpickled (HuggingFaceStorageReader reads the offsets from the safetensors headers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+import struct
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+
+from ultrathink.model.model import WEIGHTS_FILE
+
+OPTIMIZER_DIR = "optimizer"
+_PARTS = "weights.parts"  # the ranks' files of the weights, until they are joined into model.safetensors
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def _single() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _quiet_if_single():
+    """DCP warns on every call in one process that it assumes one process; that is what we asked for."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*assuming the intent is", category=UserWarning)
+        yield
+
+
+def _save(state: dict, writer) -> None:
+    with _quiet_if_single():
+        dcp.save(state, storage_writer=writer, no_dist=_single())
+
+
+def _load(state: dict, directory: Path) -> None:
+    with _quiet_if_single():
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=_single())
+
+
+def save_optimizers(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], directory: Path) -> None:
+    """Write every optimizer's tensor state under `directory`/optimizer (collective)."""
+    tensors = {}
+    for index, opt in enumerate(optimizers):
+        for name, values in get_optimizer_state_dict(model, opt)["state"].items():
+            for key, value in values.items():
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(f"optimizer {index}: state {key!r} of {name} is not a tensor")
+                tensors[f"{index}.{name}.{key}"] = value
+    _save(tensors, HuggingFaceStorageWriter(str(directory / OPTIMIZER_DIR), save_distributed=True))
+
+
+def optimizer_groups(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[list[dict]]:
+    """The optimizers' param groups, parameters by name: plain values, for state.pt."""
+    return [get_optimizer_state_dict(model, opt)["param_groups"] for opt in optimizers]
+
+
+def load_optimizers(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], directory: Path,
+                    groups: list[list]) -> None:
+    """Read the optimizers' state that save_optimizers wrote, each rank its own slices, with the param groups
+    optimizer_groups gave (collective)."""
+    states = [get_optimizer_state_dict(model, opt) for opt in optimizers]  # the layout to fill (state created)
+    tensors = {f"{index}.{name}.{key}": value for index, state in enumerate(states)
+               for name, values in state["state"].items() for key, value in values.items()}
+    _load(tensors, directory / OPTIMIZER_DIR)
+    for index, (opt, state) in enumerate(zip(optimizers, states)):
+        filled = {name: {key: tensors[f"{index}.{name}.{key}"] for key in values}
+                  for name, values in state["state"].items()}
+        set_optimizer_state_dict(model, opt, {"state": filled, "param_groups": groups[index]})
+
+
+def save_weights_from_shards(model: torch.nn.Module, directory: Path, is_main: bool) -> None:
+    """`directory`/model.safetensors written from the ranks' shards of a sharded model (collective): every rank
+    writes its own file, then the main rank joins them (join_shards) and removes them."""
+    parts = directory / _PARTS
+    _save(get_model_state_dict(model), HuggingFaceStorageWriter(str(parts), save_distributed=True))
+    if dist.is_initialized():
+        dist.barrier()
+    if is_main:
+        join_shards(parts, directory / WEIGHTS_FILE)
+        shutil.rmtree(parts)
+
+
+def join_shards(parts: Path, out: Path) -> None:
+    """One plain safetensors file from the per-rank files of HuggingFaceStorageWriter(save_distributed=True),
+    streamed: one rank's slice of one tensor in memory at a time. FSDP2 shards along the first dimension, so a
+    tensor's bytes are its slices' bytes in order. (torch's own consolidation does this too, but fails on integer
+    tensors such as the DRE step counts: torch.finfo of an integer dtype.)"""
+    metadata = HuggingFaceStorageReader(str(parts)).read_metadata()
+    names = sorted(metadata.state_dict_metadata)
+    header, offset, pieces = {}, 0, {}
+    for name in names:
+        tensor = metadata.state_dict_metadata[name]
+        chunks = sorted(tensor.chunks, key=lambda c: tuple(c.offsets))
+        rows = 0
+        for chunk in chunks:  # slices of the first dimension, each whole in the others, end to end
+            if list(chunk.offsets[1:]) != [0] * (len(tensor.size) - 1) or list(chunk.sizes[1:]) != list(tensor.size[1:]) \
+                    or (len(tensor.size) and chunk.offsets[0] != rows):
+                raise ValueError(f"{name}: shards are not whole slices of its first dimension")
+            rows += chunk.sizes[0] if len(tensor.size) else 1
+        if rows != (tensor.size[0] if len(tensor.size) else 1):
+            raise ValueError(f"{name}: its shards cover {rows} of its {tensor.size[0]} rows")
+        size = math.prod(tensor.size) * tensor.properties.dtype.itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.properties.dtype], "shape": list(tensor.size),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+        pieces[name] = [(metadata.storage_data[MetadataIndex(name, c.offsets)].relative_path, c) for c in chunks]
+    header["__metadata__"] = {"format": "pt"}
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    with open(out, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)) + encoded)
+        for name in names:
+            for file, chunk in pieces[name]:
+                with safe_open(file, framework="pt") as shard:
+                    f.write(shard.get_tensor(name).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def load_weights(model: torch.nn.Module, directory: Path) -> None:
+    """`directory`/model.safetensors into `model`, each rank reading its own slices (collective)."""
+    state = get_model_state_dict(model)
+    _load(state, directory)
+    set_model_state_dict(model, state)
