@@ -35,7 +35,7 @@ def make_trainer(tmp_path, steps, seed=0, model_cfg=MODEL, fingerprint=FP, **ove
     cfg = TrainConfig(**(settings | overrides))
     torch.manual_seed(seed)
     model = UltraThink(model_cfg, VOCAB)
-    loader = TokenWindows(corpus(), model_cfg.seq_len, cfg.batch_size, cfg.seed)
+    loader = TokenWindows(corpus(), model_cfg.seq_len, cfg.batch_size, cfg.seed, grad_accum=cfg.grad_accum)
     checkpoints = CheckpointManager(tmp_path / "ckpt", fingerprint, 2, cfg.keep_configs, extra={"optimizer": cfg.optimizer})
     dist = Distributed()
     engine = build_engine(ready_model(model, cfg, None, dist), cfg, dist)
@@ -90,6 +90,15 @@ def test_the_global_batch_is_the_same_on_any_number_of_ranks_and_each_rank_reads
         for expected in steps_one:  # rank by rank, the step's windows in the order one process reads them
             assert sum((starts(next(loader)) for loader in ranks), []) == expected
         assert all(loader.state_dict() == one.state_dict() for loader in ranks)  # one position, any world size
+
+
+def test_a_loader_that_reads_other_micro_batches_than_grad_accum_says_is_refused():
+    cfg = TrainConfig(batch_size=4, grad_accum=2, precision="fp32")
+    dist = Distributed()
+    engine = build_engine(ready_model(UltraThink(MODEL, VOCAB), cfg, None, dist), cfg, dist)
+    loader = TokenWindows(corpus(), MODEL.seq_len, cfg.batch_size, cfg.seed)  # grad_accum forgotten
+    with pytest.raises(ValueError, match="reads 1 micro-batches per step and train.grad_accum 2 on 1 ranks means 2"):
+        Trainer(engine, loader, corpus(600, seed=0), cfg, CheckpointManager("unused", FP, 1))
 
 
 def test_a_batch_layout_keeps_micro_batches_at_most_batch_size_and_refuses_an_uneven_split():

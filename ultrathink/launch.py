@@ -22,6 +22,7 @@ import yaml
 from ultrathink.config import LaunchConfig, Params
 from ultrathink.errors import StageError
 
+
 class RankFailed(StageError):
     """A rank of a launched stage failed."""
 

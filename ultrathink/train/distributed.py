@@ -29,7 +29,6 @@ import torch.nn as nn
 from ultrathink.model.routing import StepStats, flatten, unflatten
 
 
-
 @dataclass
 class Distributed:
     rank: int = 0

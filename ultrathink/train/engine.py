@@ -40,12 +40,11 @@ class Engine(Protocol):
     module: torch.nn.Module  # what the forward pass runs through (the model, or a wrapper of it)
     flops_per_token: int  # the whole model's training FLOPs per token, counted before any sharding
     optimizers: list[torch.optim.Optimizer]  # the learning-rate schedule sets their param groups' lr
+    writes_weights: bool  # save_shards writes the checkpoint's model.safetensors (no full gather for it)
 
     def autocast(self): ...
     def backward(self, loss: torch.Tensor) -> None: ...
     def step(self, loss: float) -> tuple[float, bool]: ...
-    writes_weights: bool  # save_shards writes the checkpoint's model.safetensors (no full gather for it)
-
     def state_dict(self) -> dict: ...
     def load(self, checkpoint, state: dict) -> None: ...
     def model_state(self) -> dict[str, torch.Tensor]: ...
@@ -102,7 +101,7 @@ class TorchEngine:
         if self.dist.sharded:
             self._refuse_non_finite()
             sharded.save_weights_from_shards(self.model, directory, self.dist.is_main)
-        sharded.save_optimizers(self.model, self.optimizers, directory)
+        sharded.save_optimizers(self.model, self.optimizers, directory, self._alone)
 
     @property
     def writes_weights(self) -> bool:
@@ -118,18 +117,22 @@ class TorchEngine:
             raise ValueError("refusing to checkpoint non-finite weights")
 
     def load(self, checkpoint, state: dict) -> None:
-        sharded.load_weights(self.model, checkpoint.path)
+        self.load_weights_from(checkpoint)
         self.load_optimizer(checkpoint, state)
 
     def load_optimizer(self, checkpoint, state: dict) -> None:
-        sharded.load_optimizers(self.model, self.optimizers, checkpoint.path, state["optimizer_groups"])
+        sharded.load_optimizers(self.model, self.optimizers, checkpoint.path, state["optimizer_groups"], self._alone)
         self.scaler.load_state_dict(state["grad_scaler"])
 
     def model_state(self) -> dict[str, torch.Tensor]:
         return self.dist.model_state(self.model)
 
     def load_weights_from(self, checkpoint) -> None:
-        sharded.load_weights(self.model, checkpoint.path)
+        sharded.load_weights(self.model, checkpoint.path, self._alone)
+
+    @property
+    def _alone(self) -> bool:
+        return self.dist.world_size == 1
 
     def check_replicas(self) -> None:
         if not self.dist.sharded:  # under FSDP each rank holds its own shard, not a replica

@@ -42,10 +42,6 @@ _SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16
                        torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-def _single() -> bool:
-    return not (dist.is_available() and dist.is_initialized())
-
-
 @contextlib.contextmanager
 def _quiet_if_single():
     """DCP warns on every call in one process that it assumes one process; that is what we asked for."""
@@ -54,17 +50,22 @@ def _quiet_if_single():
         yield
 
 
-def _save(state: dict, writer) -> None:
+# `alone`: this process saves or loads by itself, with no collective, even inside a multi-process run (a time
+# budget's probe on rank 0 checkpoints a throwaway model of its own while the other ranks wait).
+
+
+def _save(state: dict, writer, alone: bool) -> None:
     with _quiet_if_single():
-        dcp.save(state, storage_writer=writer, no_dist=_single())
+        dcp.save(state, storage_writer=writer, no_dist=alone)
 
 
-def _load(state: dict, directory: Path) -> None:
+def _load(state: dict, directory: Path, alone: bool) -> None:
     with _quiet_if_single():
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=_single())
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=alone)
 
 
-def save_optimizers(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], directory: Path) -> None:
+def save_optimizers(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], directory: Path,
+                    alone: bool) -> None:
     """Write every optimizer's tensor state under `directory`/optimizer (collective)."""
     tensors = {}
     for index, opt in enumerate(optimizers):
@@ -73,7 +74,7 @@ def save_optimizers(model: torch.nn.Module, optimizers: list[torch.optim.Optimiz
                 if not isinstance(value, torch.Tensor):
                     raise TypeError(f"optimizer {index}: state {key!r} of {name} is not a tensor")
                 tensors[f"{index}.{name}.{key}"] = value
-    _save(tensors, HuggingFaceStorageWriter(str(directory / OPTIMIZER_DIR), save_distributed=True))
+    _save(tensors, HuggingFaceStorageWriter(str(directory / OPTIMIZER_DIR), save_distributed=True), alone)
 
 
 def optimizer_groups(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[list[dict]]:
@@ -82,13 +83,13 @@ def optimizer_groups(model: torch.nn.Module, optimizers: list[torch.optim.Optimi
 
 
 def load_optimizers(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], directory: Path,
-                    groups: list[list]) -> None:
+                    groups: list[list], alone: bool) -> None:
     """Read the optimizers' state that save_optimizers wrote, each rank its own slices, with the param groups
     optimizer_groups gave (collective)."""
     states = [get_optimizer_state_dict(model, opt) for opt in optimizers]  # the layout to fill (state created)
     tensors = {f"{index}.{name}.{key}": value for index, state in enumerate(states)
                for name, values in state["state"].items() for key, value in values.items()}
-    _load(tensors, directory / OPTIMIZER_DIR)
+    _load(tensors, directory / OPTIMIZER_DIR, alone)
     for index, (opt, state) in enumerate(zip(optimizers, states)):
         filled = {name: {key: tensors[f"{index}.{name}.{key}"] for key in values}
                   for name, values in state["state"].items()}
@@ -99,9 +100,8 @@ def save_weights_from_shards(model: torch.nn.Module, directory: Path, is_main: b
     """`directory`/model.safetensors written from the ranks' shards of a sharded model (collective): every rank
     writes its own file, then the main rank joins them (join_shards) and removes them."""
     parts = directory / _PARTS
-    _save(get_model_state_dict(model), HuggingFaceStorageWriter(str(parts), save_distributed=True))
-    if dist.is_initialized():
-        dist.barrier()
+    _save(get_model_state_dict(model), HuggingFaceStorageWriter(str(parts), save_distributed=True), alone=False)
+    dist.barrier()  # every rank's file is written
     if is_main:
         join_shards(parts, directory / WEIGHTS_FILE)
         shutil.rmtree(parts)
@@ -142,8 +142,8 @@ def join_shards(parts: Path, out: Path) -> None:
                     f.write(shard.get_tensor(name).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
-def load_weights(model: torch.nn.Module, directory: Path) -> None:
+def load_weights(model: torch.nn.Module, directory: Path, alone: bool) -> None:
     """`directory`/model.safetensors into `model`, each rank reading its own slices (collective)."""
     state = get_model_state_dict(model)
-    _load(state, directory)
+    _load(state, directory, alone)
     set_model_state_dict(model, state)

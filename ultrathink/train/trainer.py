@@ -22,7 +22,7 @@ from ultrathink.errors import StageError
 from ultrathink.train.checkpoint import CheckpointManager
 from ultrathink.train.distributed import Distributed
 from ultrathink.train.engine import Engine, autocast
-from ultrathink.train.loader import TokenStreamEval, TokenWindows
+from ultrathink.train.loader import BatchLayout, TokenStreamEval, TokenWindows
 from ultrathink.model.kernels import AttentionKernel, fixed_kernel
 from ultrathink.train.precision import peak_flops
 from ultrathink.train.schedule import Scheduler, same_schedule
@@ -131,6 +131,11 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self.counters = Counters()
         self.layout = train_loader.layout  # the global batch, and this rank's micro-batches of it
+        wanted = BatchLayout.split(cfg.batch_size, cfg.grad_accum, self.dist.world_size).accum
+        if self.layout.accum != wanted:  # the engine divides each micro-batch's loss by `wanted`
+            raise ValueError(f"the loader reads {self.layout.accum} micro-batches per step and train.grad_accum "
+                             f"{cfg.grad_accum} on {self.dist.world_size} ranks means {wanted}: build it with "
+                             "grad_accum=cfg.grad_accum, rank and world_size")
         self.tokens_per_step = self.layout.sequences * train_loader.seq_len
 
     # ---- checkpoint state -------------------------------------------------------------------------------------
