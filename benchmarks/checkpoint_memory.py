@@ -3,8 +3,9 @@ shards of the optimizer state, the weights joined from the ranks' files: ultrath
 full-gather path it replaced (model and optimizer state gathered on rank 0 with full_state_dict + cpu_offload, then
 written). A ~50M-parameter UltraThink on 2 gloo ranks, one training step first so the optimizer state exists.
 
-Peak RSS is the kernel's high-water mark (VmHWM), reset just before the save (/proc/self/clear_refs), so it is the
-most memory rank 0 held while saving; each path runs in fresh processes so neither inherits the other's arenas.
+Peak RSS is the kernel's high-water mark (VmHWM), reset just before the save (/proc/self/clear_refs) and after the
+heap's free pages are returned to the system (malloc_trim: the training step's freed activations would otherwise count
+as held), so it is the most memory rank 0 held while saving; each path runs in fresh processes so neither inherits the other's arenas.
 
     .venv/bin/python benchmarks/checkpoint_memory.py [--d-model 576] [--layers 12]
 """
@@ -12,6 +13,7 @@ most memory rank 0 held while saving; each path runs in fresh processes so neith
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import subprocess
@@ -61,6 +63,7 @@ def rank(mode: str, d_model: int, layers: int, workdir: Path) -> None:
                       tokens[:2_000], settings, CheckpointManager(workdir, Fingerprint(mode, "b", "b"), 1, 1), dist=dist)
     trainer.train_step()
     dist.barrier()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # the heap's free pages back to the system: RSS is what is live
     before = rss_mib()
     Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark to the current RSS
     if mode == "sharded":

@@ -27,9 +27,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from collections.abc import Callable, Iterable
+
 from safetensors import safe_open
+from torch.futures import Future
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint._hf_utils import (CUSTOM_METADATA_KEY, DCP_VERSION_KEY, FORMAT_KEY, FORMAT_VALUE,
+                                                    HF_DCP_VERSION, SAVED_OFFSETS_KEY, _gen_file_name)
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
@@ -48,6 +56,67 @@ def _quiet_if_single():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is .*assuming the intent is", category=UserWarning)
         yield
+
+
+class StreamingWriter(HuggingFaceStorageWriter):
+    """HuggingFaceStorageWriter(save_distributed=True) — each rank its own safetensors file with DCP's sharding
+    offsets in the header, which HuggingFaceStorageReader reads — written a tensor at a time. torch's own writer
+    serializes the whole file to bytes first (safetensors.torch.save), a second copy of the rank's shard in memory
+    at every checkpoint (benchmarks/checkpoint_memory.py)."""
+
+    def __init__(self, path: Path):
+        super().__init__(str(path), save_distributed=True)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        results = []
+        if plan.items:
+            name = _gen_file_name(1, 1, plan.storage_data["shard_index"])
+            results = _write_plan(Path(self.path) / name, plan, planner)
+        done: Future = Future()
+        done.set_result(results)
+        return done
+
+
+def _write_plan(path: Path, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+    """This rank's items of a DCP save plan into one safetensors file, streamed."""
+    tensors, sharding = [], {}
+    for item in plan.items:
+        fqn = item.index.fqn
+        if item.type == WriteItemType.BYTE_IO:  # DCP would pickle it: a checkpoint holds tensors only
+            raise TypeError(f"{fqn} is not a tensor; a checkpoint holds tensors only")
+        if fqn in sharding:
+            raise ValueError(f"{fqn}: two chunks on one rank")
+        chunk = item.tensor_data.chunk
+        sharding[fqn] = {SAVED_OFFSETS_KEY: list(chunk.offsets)}
+        tensors.append((fqn, item.tensor_data.properties.dtype, list(chunk.sizes),
+                        lambda item=item: [planner.resolve_data(item)]))
+    metadata = {CUSTOM_METADATA_KEY: json.dumps(sharding), DCP_VERSION_KEY: str(HF_DCP_VERSION),
+                FORMAT_KEY: FORMAT_VALUE}
+    spans = write_safetensors(path, tensors, metadata)
+    return [WriteResult(item.index, end - start, _StorageInfo(path.name, start, end - start))
+            for item, (start, end) in zip(plan.items, spans)]
+
+
+def write_safetensors(path: Path, tensors: list[tuple[str, torch.dtype, list[int], Callable[[], Iterable[torch.Tensor]]]],
+                      metadata: dict[str, str]) -> list[tuple[int, int]]:
+    """A safetensors file of `tensors` — (name, dtype, shape, pieces: a callable giving its contiguous pieces in
+    order) — with only one piece in memory at a time; each tensor's (start, end) byte offsets in the file."""
+    header, offset = {}, 0
+    for name, dtype, shape, _ in tensors:
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps({**header, "__metadata__": metadata}, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    data_start = 8 + len(encoded)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)) + encoded)
+        for name, dtype, shape, pieces in tensors:
+            for piece in pieces():
+                f.write(piece.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        if f.tell() != data_start + offset:
+            raise ValueError(f"{path}: wrote {f.tell() - data_start} bytes of data for {offset}")
+    return [(data_start + h["data_offsets"][0], data_start + h["data_offsets"][1]) for h in header.values()]
 
 
 # `alone`: this process saves or loads by itself, with no collective, even inside a multi-process run (a time
@@ -74,7 +143,7 @@ def save_optimizers(model: torch.nn.Module, optimizers: list[torch.optim.Optimiz
                 if not isinstance(value, torch.Tensor):
                     raise TypeError(f"optimizer {index}: state {key!r} of {name} is not a tensor")
                 tensors[f"{index}.{name}.{key}"] = value
-    _save(tensors, HuggingFaceStorageWriter(str(directory / OPTIMIZER_DIR), save_distributed=True), alone)
+    _save(tensors, StreamingWriter(directory / OPTIMIZER_DIR), alone)
 
 
 def optimizer_groups(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[list[dict]]:
@@ -100,7 +169,7 @@ def save_weights_from_shards(model: torch.nn.Module, directory: Path, is_main: b
     """`directory`/model.safetensors written from the ranks' shards of a sharded model (collective): every rank
     writes its own file, then the main rank joins them (join_shards) and removes them."""
     parts = directory / _PARTS
-    _save(get_model_state_dict(model), HuggingFaceStorageWriter(str(parts), save_distributed=True), alone=False)
+    _save(get_model_state_dict(model), StreamingWriter(parts), alone=False)
     dist.barrier()  # every rank's file is written
     if is_main:
         join_shards(parts, directory / WEIGHTS_FILE)
@@ -108,14 +177,13 @@ def save_weights_from_shards(model: torch.nn.Module, directory: Path, is_main: b
 
 
 def join_shards(parts: Path, out: Path) -> None:
-    """One plain safetensors file from the per-rank files of HuggingFaceStorageWriter(save_distributed=True),
-    streamed: one rank's slice of one tensor in memory at a time. FSDP2 shards along the first dimension, so a
-    tensor's bytes are its slices' bytes in order. (torch's own consolidation does this too, but fails on integer
-    tensors such as the DRE step counts: torch.finfo of an integer dtype.)"""
+    """One plain safetensors file from the per-rank files of StreamingWriter, streamed: one rank's slice of one
+    tensor in memory at a time. FSDP2 shards along the first dimension, so a tensor's bytes are its slices' bytes in
+    order. (torch's own consolidation does this too, but fails on integer tensors such as the DRE step counts:
+    torch.finfo of an integer dtype.)"""
     metadata = HuggingFaceStorageReader(str(parts)).read_metadata()
-    names = sorted(metadata.state_dict_metadata)
-    header, offset, pieces = {}, 0, {}
-    for name in names:
+    tensors = []
+    for name in sorted(metadata.state_dict_metadata):
         tensor = metadata.state_dict_metadata[name]
         chunks = sorted(tensor.chunks, key=lambda c: tuple(c.offsets))
         rows = 0
@@ -126,20 +194,15 @@ def join_shards(parts: Path, out: Path) -> None:
             rows += chunk.sizes[0] if len(tensor.size) else 1
         if rows != (tensor.size[0] if len(tensor.size) else 1):
             raise ValueError(f"{name}: its shards cover {rows} of its {tensor.size[0]} rows")
-        size = math.prod(tensor.size) * tensor.properties.dtype.itemsize
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.properties.dtype], "shape": list(tensor.size),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-        pieces[name] = [(metadata.storage_data[MetadataIndex(name, c.offsets)].relative_path, c) for c in chunks]
-    header["__metadata__"] = {"format": "pt"}
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    with open(out, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)) + encoded)
-        for name in names:
-            for file, chunk in pieces[name]:
-                with safe_open(file, framework="pt") as shard:
-                    f.write(shard.get_tensor(name).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        files = [metadata.storage_data[MetadataIndex(name, c.offsets)].relative_path for c in chunks]
+        tensors.append((name, tensor.properties.dtype, list(tensor.size),
+                        lambda name=name, files=files: (_read(file, name) for file in files)))
+    write_safetensors(out, tensors, {"format": "pt"})
+
+
+def _read(file: str, name: str) -> torch.Tensor:
+    with safe_open(file, framework="pt") as shard:
+        return shard.get_tensor(name)
 
 
 def load_weights(model: torch.nn.Module, directory: Path, alone: bool) -> None:
