@@ -1,6 +1,8 @@
 """Warm start (train.init_from): a parent's weights (and, from a checkpoint, its optimizer state) start a new run;
 a parent that does not fit stops the run before training, naming what differs."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from ultrathink.config import TokenizerConfig
 from ultrathink.model import UltraThink
 from ultrathink.tokenizer import tokenizer_hash, train_tokenizer
 from ultrathink.train.checkpoint import Fingerprint
+from ultrathink.train.sharded import OPTIMIZER_DIR
 from ultrathink.train.warm_start import WarmStartError, check_optimizer, find_parent, load_parent_weights
 
 
@@ -42,6 +45,11 @@ def test_optimizer_state_comes_from_a_checkpoint_of_the_same_optimizer(trained, 
         check_optimizer(parent, "lion")
     with pytest.raises(WarmStartError, match="is a model, not a checkpoint"):
         check_optimizer(find_parent(tmp_path / "model", "artifacts/model"), "adamw")
+    # A checkpoint whose optimizer state this version cannot read (an older UltraThink's, DeepSpeed's) says so.
+    shutil.rmtree(parent.checkpoint.path / OPTIMIZER_DIR)
+    with pytest.raises(WarmStartError, match=r"ckpt holds no optimizer state this version reads \(no optimizer/ "
+                                             r"folder.*train.init_optimizer: false"):
+        check_optimizer(parent, "adamw")
 
 
 def test_another_architecture_fails_naming_the_tensors(trained, tmp_path):

@@ -26,6 +26,7 @@ from ultrathink.model.model import CONFIG_FILE, WEIGHTS_FILE
 from ultrathink.tokenizer import tokenizer_hash, vocab_difference
 from ultrathink.hashing import file_sha256
 from ultrathink.train.checkpoint import Checkpoint, is_checkpoint, read_checkpoint
+from ultrathink.train.sharded import OPTIMIZER_DIR
 
 log = logging.getLogger(__name__)
 
@@ -166,4 +167,8 @@ def check_optimizer(parent: Parent, optimizer: str) -> Checkpoint:
     if theirs != optimizer:
         raise WarmStartError(f"train.init_optimizer: {parent.ref} was trained with optimizer {theirs}, this run "
                              f"uses {optimizer} (train.optimizer)")
+    if not (parent.checkpoint.path / OPTIMIZER_DIR).is_dir():
+        raise WarmStartError(f"train.init_optimizer: {parent.ref} holds no optimizer state this version reads (no "
+                             f"{OPTIMIZER_DIR}/ folder: written by DeepSpeed, or by UltraThink before sharded "
+                             "checkpoints); warm start from its weights alone (train.init_optimizer: false)")
     return parent.checkpoint
