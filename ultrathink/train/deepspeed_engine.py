@@ -54,7 +54,8 @@ def ds_config(cfg: TrainConfig, precision: str, world_size: int) -> dict:
         "wall_clock_breakdown": False,
     }
     if precision == "bf16":
-        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+        # No module's gradients reduced in bf16 (DeepSpeed's default tags every Linear): fp32, as DDP and FSDP.
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
     elif precision == "fp16":
         config["fp16"] = {"enabled": True, "loss_scale": 0}  # 0: dynamic loss scaling
     return config

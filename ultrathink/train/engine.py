@@ -110,8 +110,8 @@ class TorchEngine:
 
     def _refuse_non_finite(self) -> None:
         local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.state_dict().values()]
-        bad = torch.tensor([sum(not torch.isfinite(t).all().item() for t in local if t.is_floating_point())],
-                           dtype=torch.float64)
+        bad = torch.stack([~torch.isfinite(t).all() for t in local if t.is_floating_point()]).sum().double()
+        bad = bad.to(self.dist.device).reshape(1)  # NCCL reduces device tensors only
         torch.distributed.all_reduce(bad)
         if bad.item():
             raise ValueError("refusing to checkpoint non-finite weights")

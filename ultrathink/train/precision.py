@@ -47,7 +47,7 @@ def resolve_precision(requested: str, device: DeviceLike = "cpu") -> str:
     if requested != "auto":
         return requested
     if is_cuda(device):
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp32"
     fp32, bf16 = matmul_gflops(torch.float32), matmul_gflops(torch.bfloat16)
     choice = "bf16" if bf16 > 1.2 * fp32 else "fp32"
     log.info("precision auto → %s (matmul: fp32 %.0f, bf16 %.0f GFLOP/s)", choice, fp32, bf16)
