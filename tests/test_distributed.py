@@ -344,8 +344,9 @@ def test_each_variant_alone_trains_on_every_backend_like_one_process(variant_sin
 
 
 def test_a_time_budget_is_planned_once_by_rank_0_and_both_ranks_take_its_steps(tmp_path):
-    """Rank 0 probes and sizes; the plan reaches rank 1 through one broadcast, so both train the same steps of the
-    same shape (DDP checks at every checkpoint that their weights agree)."""
+    """Rank 0 sizes and plans, and both ranks probe together (the probe's steps and checkpoint pay the run's
+    collectives); the plan reaches rank 1 through one broadcast, so both train the same steps of the same shape
+    (DDP checks at every checkpoint that their weights agree)."""
     base = tiny_project(tmp_path, "budget")
     params = yaml.safe_load((base / "params.yaml").read_text())
     params["model"] = {"size": "auto", "dropout": 0.0}
@@ -356,7 +357,7 @@ def test_a_time_budget_is_planned_once_by_rank_0_and_both_ranks_take_its_steps(t
     assert output.count("plan: ") == 1 and "model.size auto: d_model" in output
     ((machine, entry),) = json.loads((base / "plan.json").read_text()).items()
     (plan,) = entry["plans"].values()
-    assert machine.startswith("cpu/") and plan["machine"] == machine
+    assert machine.startswith("cpu/") and plan["machine"] == machine and plan["probe"]["ranks"] == 2
     summary = json.loads((base / "model" / "train_summary.json").read_text())
     assert summary["steps"] == plan["max_steps"] > 0 and summary["plan"]["shape"] == plan["sizing"]["shape"]
     # The global batch is batch_size sequences on any number of ranks (half on each here).

@@ -1,6 +1,6 @@
-"""Scale-out from params.yaml: `dvc repro` with launch.nproc_per_node 2 trains on the two ranks the train stage
-starts itself (no torchrun, no edit of dvc.yaml), and a rank that fails stops the chain with that rank's own error,
-with nothing promoted. (Resuming on another number of ranks: tests/test_distributed.py.)"""
+"""Scale-out from params.yaml: `dvc repro` with launch.nproc_per_node 2 pretrains and fine-tunes on the two ranks the
+train and finetune stages start themselves (no torchrun, no edit of dvc.yaml), and a rank that fails stops the chain
+with that rank's own error, with nothing promoted. (Resuming on another number of ranks: tests/test_distributed.py.)"""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def dvc(project: Path, *args: str, env: dict | None = None) -> subprocess.Comple
 
 @pytest.mark.slow
 @pytest.mark.spawns
-def test_dvc_repro_trains_on_the_ranks_params_ask_for_and_a_failing_rank_stops_the_chain(trained_project, tmp_path):
+def test_dvc_repro_trains_and_fine_tunes_on_the_ranks_params_ask_for_and_a_failing_rank_stops_the_chain(trained_project, tmp_path):
     project = copy_project(trained_project, tmp_path)
     steps = yaml.safe_load((project / "params.yaml").read_text())["train"]["max_steps"]
     set_params(project, {"launch": {"nproc_per_node": 2}, "train": {"max_steps": steps + 20}})
@@ -59,12 +59,18 @@ def test_dvc_repro_trains_on_the_ranks_params_ask_for_and_a_failing_rank_stops_t
     assert len(client_for(project).search_model_versions("name='ultrathink'")) == registered
     assert (project / "reports/promotion.json").read_text() == decision
 
-    done = dvc(project, "repro", "promote")
+    # The same `dvc repro`, the fault gone and fine-tuning on: both training stages run on the two ranks.
+    set_params(project, {"finetune": {"enabled": True, "max_steps": 6, "batch_size": 8, "warmup_steps": 1,
+                                      "eval_every": 3, "samples": 1}})
+    done = dvc(project, "repro")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert ran_stages(done.stdout) == ["train", "evaluate", "promote"]
+    assert ran_stages(done.stdout) == ["train", "evaluate", "promote", "finetune", "promote_finetuned"]
     summary = json.loads((project / "artifacts/model/train_summary.json").read_text())
     assert (summary["world_size"], summary["backend"], summary["steps"]) == (2, "ddp", steps + 20)
-    assert dvc(project, "status", "promote").stdout.strip() == "Data and pipelines are up to date."
+    finetuned = json.loads((project / "artifacts/finetuned/finetune.json").read_text())
+    assert (finetuned["world_size"], finetuned["backend"], finetuned["steps"]) == (2, "ddp", 6)
+    assert json.loads((project / "reports/finetune_promotion.json").read_text())["version"] >= 1
+    assert dvc(project, "status").stdout.strip() == "Data and pipelines are up to date."
 
 
 def test_launch_settings_are_checked_naming_the_key(tmp_path):

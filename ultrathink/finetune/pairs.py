@@ -160,10 +160,15 @@ class ChatBatches(OrderedBatches):
     """Padded chat rows in a seeded order per epoch, for the Trainer: next() gives (x, y) with y IGNORE outside
     the answers; the position is (seed, epoch, position), so a resumed run reads the same batches."""
 
-    def __init__(self, tokenizer, chats: list[list[dict]], seq_len: int, batch_size: int, seed: int):
+    def __init__(self, tokenizer, chats: list[list[dict]], seq_len: int, batch_size: int, seed: int, rank: int = 0,
+                 world_size: int = 1):
         self.x, self.y, _ = chat_rows(tokenizer, chats, seq_len + 1)
         self.seq_len = seq_len
-        self._start_order(len(self.x), seed, True, BatchLayout.split(min(batch_size, len(chats)), 1), 0)
+        size = min(batch_size, len(chats))
+        knobs = (f"finetune.batch_size {batch_size}" if size == batch_size
+                 else f"{len(chats)} training pairs, fewer than finetune.batch_size {batch_size}")
+        layout = BatchLayout.split(size, 1, world_size, knobs)
+        self._start_order(len(self.x), seed, True, layout, rank)
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         rows = torch.from_numpy(self.next_rows())

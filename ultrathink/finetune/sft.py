@@ -5,6 +5,7 @@ configuration (knobs, pairs, code, base weights), as pretraining's do."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 from peft import PeftModel
 
 from ultrathink.config import Params, TrainConfig
+from ultrathink.errors import StageError
 from ultrathink.model.chat import reply
 from ultrathink.finetune.lora import add_adapters, merged, quantize_base
 from ultrathink.finetune.pairs import ChatBatches, ChatEval
@@ -24,7 +26,7 @@ from ultrathink.registry.models import resolve_named_model
 from ultrathink.config.fingerprint import finetune_params_hash
 from ultrathink.hashing import json_hash
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
-from ultrathink.train.plan import Plan, PlanBook, apply_plan, plan_run
+from ultrathink.train.plan import Plan, PlanBook, apply_plan, plan_on_main, plan_run
 from ultrathink.train.distributed import Distributed
 from ultrathink.train.engine import build_engine
 from ultrathink.train.trainer import Trainer, ready_model
@@ -47,11 +49,12 @@ class Base:
         return {"base_model": self.pinned, "base_model_ref": self.ref, "base_weights_sha256": self.weights_sha256}
 
 
-def resolve_base(params: Params, root: Path = Path(".")) -> Base:
+def resolve_base(params: Params, root: Path = Path("."), pinned: str | None = None) -> Base:
     """finetune.init_from → local files: `champion` is registry.model_name's champion; an alias is pinned to the
-    version it names now, which is what the lineage records."""
+    version it names now, which is what the lineage records. `pinned`: the version the main rank resolved, so
+    every rank reads the same one even if the alias moves meanwhile."""
     ref = params.finetune.init_from
-    uri = f"models:/{params.registry.model_name}@{CHAMPION}" if ref == CHAMPION else ref
+    uri = pinned or (f"models:/{params.registry.model_name}@{CHAMPION}" if ref == CHAMPION else ref)
     named = resolve_named_model(uri, root)
     files = named.files
     return Base(ref, named.pinned, files.model_dir, files.tokenizer_dir, weights_sha256(files.model_dir))
@@ -76,41 +79,69 @@ def fingerprint(params: Params, base: Base, train_chats: list, val_chats: list, 
                        code_hash(FINETUNE_CODE), base.weights_sha256, json_hash(plan.decisions()))
 
 
+class ShardedQuantizedError(StageError):
+    """finetune.quantize under FSDP: torchao's quantized weights are not sharded by fully_shard."""
+
+
 @dataclass
 class Setup:
     trainer: Trainer
     adapted: PeftModel | None  # the PEFT wrapper under LoRA (None: full fine-tuning)
+    rebuild: Callable[[], tuple[UltraThink, PeftModel | None]]  # a fresh, unwrapped copy of the model and wrapper
     quantized: tuple[int, int] | None = None  # finetune.quantize: bytes of the adapted layers' weights before, after
 
-    def final_model(self) -> UltraThink:
-        """The trained model as plain UltraThink weights (adapters merged)."""
-        return merged(self.adapted) if self.adapted is not None else self.trainer.model
+    def final_model(self) -> UltraThink | None:
+        """The trained model as plain UltraThink weights (adapters merged), on the main rank; None on the others.
+        Every rank calls it: under FSDP the weights are gathered (collective) into a fresh unsharded copy."""
+        trainer = self.trainer
+        if not trainer.dist.sharded:
+            if not trainer.dist.is_main:
+                return None
+            return merged(self.adapted) if self.adapted is not None else trainer.model
+        weights = trainer.full_weights()
+        if not trainer.dist.is_main:
+            return None
+        model, adapted = self.rebuild()
+        model.load_state_dict(weights)
+        return (merged(adapted) if adapted is not None else model).to(trainer.dist.device)
+
+
+def adapted_model(params: Params, base: Base) -> tuple[UltraThink, PeftModel | None, tuple[int, int] | None]:
+    """The base model in fp32 (an open model may be stored in bf16), its adapted layers quantized when
+    finetune.quantize says so, with LoRA adapters (seeded by finetune.seed) under finetune.method lora: the model
+    to train, the PEFT wrapper (None: full fine-tuning) and the quantized bytes (before, after)."""
+    ft = params.finetune
+    model = UltraThink.from_pretrained(base.model_dir, dtype=torch.float32)
+    quantized = quantize_base(model, ft.quantize, ft.lora.target_modules) if ft.quantize else None
+    torch.manual_seed(ft.seed)  # the adapters' initial A matrices
+    adapted = add_adapters(model, ft.lora) if ft.method == "lora" else None
+    return (adapted.get_base_model() if adapted is not None else model), adapted, quantized
 
 
 def build(params: Params, base: Base, tokenizer, train_chats: list, val_chats: list, dist: Distributed,
           log_metrics=None) -> Setup:
-    """The base model with adapters (or all weights trainable) on `dist.device`, its chat batches and the Trainer,
-    checkpointing into this configuration's own folder of paths.finetune_checkpoint_dir."""
+    """The base model with adapters (or all weights trainable) on `dist.device`, wrapped for `dist`'s backend, its
+    chat batches (each rank its slice of every global batch) and the Trainer, checkpointing into this
+    configuration's own folder of paths.finetune_checkpoint_dir."""
     cfg, ft = train_config(params), params.finetune
-    model = UltraThink.from_pretrained(base.model_dir, dtype=torch.float32)  # an open model may be stored in bf16
+    if ft.quantize and dist.sharded:
+        raise ShardedQuantizedError(f"finetune.quantize {ft.quantize} cannot be sharded by FSDP: fine-tune a quantized "
+                                    "base on one process or on several ranks with train.backend ddp")
+    trained, adapted, quantized = adapted_model(params, base)
     # Precision and attention kernel: decided once per configuration and machine class, as pretraining's.
-    decided = plan_run(model.cfg, cfg, model.vocab_size, train_chats, val_chats, dist.device, dist.world_size,
-                       PlanBook(params.paths.finetune_plan))
-    _, cfg = apply_plan(decided.plan, model.cfg, cfg)
-    quantized = quantize_base(model, ft.quantize, ft.lora.target_modules) if ft.quantize else None
-    torch.manual_seed(ft.seed)  # the adapters' initial A matrices
-    adapted = add_adapters(model, ft.lora) if ft.method == "lora" else None
-    trained = adapted.get_base_model() if adapted is not None else model
-    seq_len = model.cfg.seq_len
+    decided = plan_on_main(dist, lambda: plan_run(trained.cfg, cfg, trained.vocab_size, train_chats, val_chats,
+                                                  dist.device, dist.world_size, PlanBook(params.paths.finetune_plan)))
+    _, cfg = apply_plan(decided.plan, trained.cfg, cfg)
+    seq_len = trained.cfg.seq_len
     checkpoints = CheckpointManager(params.paths.finetune_checkpoint_dir,
                                     fingerprint(params, base, train_chats, val_chats, decided.plan),
                                     cfg.keep_checkpoints,
                                     cfg.keep_configs, extra={"base_model": base.pinned, "method": ft.method})
     engine = build_engine(ready_model(trained, cfg, decided.plan.kernel, dist), cfg, dist)
-    trainer = Trainer(engine, ChatBatches(tokenizer, train_chats, seq_len, cfg.batch_size, ft.seed),
-                      ChatEval(tokenizer, val_chats, seq_len), cfg, checkpoints, log_metrics, dist,
+    batches = ChatBatches(tokenizer, train_chats, seq_len, cfg.batch_size, ft.seed, dist.rank, dist.world_size)
+    trainer = Trainer(engine, batches, ChatEval(tokenizer, val_chats, seq_len), cfg, checkpoints, log_metrics, dist,
                       peak_flops=decided.peak_flops)
-    return Setup(trainer, adapted, quantized)
+    return Setup(trainer, adapted, lambda: adapted_model(params, base)[:2], quantized)
 
 
 def score(model: UltraThink, tokenizer, chats: list) -> TextScore:

@@ -13,8 +13,10 @@ import time
 from pathlib import Path
 
 from ultrathink.config import Params
+from ultrathink.errors import StageError
 from ultrathink.finetune.outputs import HELDOUT_FILE, STATUS_FILE
 from ultrathink.io import atomic_dir, atomic_write_json, atomic_write_text
+from ultrathink.launch import is_rank, run_ranks, starts_ranks
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +31,38 @@ def run(params: Params) -> None:
             atomic_write_json(params.paths.finetune_plan, {})
         print("finetune: off (finetune.enabled: false)")
         return
+    if starts_ranks(params.launch):  # launch.* asks for several processes: start them, each runs this stage
+        refuse_deepspeed(params)
+        run_ranks("finetune", params)
+        return
     finetune(params)
 
 
+def refuse_deepspeed(params: Params) -> None:
+    if params.train.backend == "deepspeed":
+        raise StageError("finetune on several ranks runs under DDP or FSDP (train.backend auto, ddp or fsdp), and "
+                         "train.backend is deepspeed: set it for the fine-tune (--set train.backend=ddp)")
+
+
 def finetune(params: Params) -> None:
+    """On one process (the GPU when there is one, with the torch engine whatever train.backend says), or as one of
+    the ranks launch.* started: every rank trains; the main rank alone scores, samples, talks to MLflow and
+    writes files."""
+    from ultrathink.train.distributed import setup
+
+    if is_rank():
+        refuse_deepspeed(params)
+    dist = setup(params.train.backend if is_rank() else "single")
+    try:
+        fine_tune_on(dist, params)
+        dist.barrier()  # every rank is done, the main rank's files and MLflow run included
+    except BaseException:
+        dist.close()
+        raise
+    dist.finish()
+
+
+def fine_tune_on(dist, params: Params) -> None:
     import mlflow
     import torch
 
@@ -43,8 +73,6 @@ def finetune(params: Params) -> None:
     from ultrathink.finetune.sft import build, resolve_base, sample_answers, score
     from ultrathink.lineage import git_commit
     from ultrathink.model import UltraThink
-    from ultrathink.train.distributed import Distributed
-    from ultrathink.device import resolve_device
     from ultrathink.registry.tracking import flat_keys, save_run_id, training_run
 
     p, ft = params.paths, params.finetune
@@ -52,22 +80,29 @@ def finetune(params: Params) -> None:
     pairs = load_pairs(ft)
     gate = validate_pairs(pairs, ft)
     if not gate.success:
-        atomic_write_json(p.finetune_report, {"enabled": True, "gate": gate.to_dict()})
+        if dist.is_main:
+            atomic_write_json(p.finetune_report, {"enabled": True, "gate": gate.to_dict()})
         raise CorpusValidationError(gate)
     train_chats, val_chats = split_pairs(pairs, ft.val_fraction)
-    base = resolve_base(params)
+    base = resolve_base(params) if dist.is_main else None
+    pinned = dist.share(base.pinned if base else None)  # every rank reads the version the main rank pinned
+    base = base or resolve_base(params, pinned=pinned)
     tokenizer = chat_tokenizer(base.tokenizer_dir)
-    dist = Distributed(device=str(resolve_device()))  # one process, on the GPU when there is one
-    base_model = UltraThink.from_pretrained(base.model_dir, dist.device, torch.float32)
-    before = score(base_model, tokenizer, val_chats)
     shown = val_chats[: ft.samples]
-    answers_before = sample_answers(base_model, tokenizer, shown, params)
-    del base_model
-
+    if dist.is_main:  # the base model's answers, before training seeds its generators (the others wait in build)
+        base_model = UltraThink.from_pretrained(base.model_dir, dist.device, torch.float32)
+        before = score(base_model, tokenizer, val_chats)
+        answers_before = sample_answers(base_model, tokenizer, shown, params)
+        del base_model
     setup = build(params, base, tokenizer, train_chats, val_chats, dist)
     trainer = setup.trainer
-    trainable, total = trainable_share(trainer.model)
     resumed = trainer.resume()
+    if not dist.is_main:  # trains in lockstep with the main rank
+        trainer.fit()
+        trainer.select_weights()
+        setup.final_model()  # collective under FSDP
+        return
+    trainable, total = trainable_share(trainer.model)
     with training_run(trainer.checkpoints.directory, bool(resumed), params.registry.experiment, params.train,
                       params.paths, run_name="finetune") as (run, sinks):
         trainer.log_metrics = sinks
@@ -93,6 +128,7 @@ def finetune(params: Params) -> None:
                    for chat, b, a in zip(shown, answers_before, answers_after)]
         mlflow.log_dict(samples, "finetune/samples.json")
         status = {"enabled": True, "method": ft.method, "base": base.tags(), "steps": result.step,
+                  "world_size": dist.world_size, "backend": dist.backend,
                   "selected_step": selected, "resumed_from": result.resumed_from,
                   "fingerprint": trainer.checkpoints.fingerprint.id, "metrics": metrics}
         with atomic_dir(p.finetuned_dir) as out:

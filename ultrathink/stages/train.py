@@ -25,7 +25,7 @@ from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.distributed import Distributed, setup
 from ultrathink.train.engine import build_engine
 from ultrathink.train.loader import TokenWindows
-from ultrathink.train.plan import Decided, Plan, PlanBook, apply_plan, plan_run
+from ultrathink.train.plan import Decided, PlanBook, RankProbes, apply_plan, plan_on_main, plan_run
 from ultrathink.train.precision import keep_freed_host_memory, use_deterministic_kernels
 from ultrathink.train.trainer import Deadline, Trainer, ready_model
 from ultrathink.train.warm_start import (LINEAGE_FILE, Parent, WarmStartError, check_optimizer, find_parent,
@@ -75,14 +75,10 @@ def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[
     if parent is not None and parent.open_model:  # continued pretraining: the parent's architecture
         model_base, vocab_size = open_model_config(parent, params.model, meta["vocab_size"])
     train_tokens, val_tokens = load_split(prepared, "train"), load_split(prepared, "val")
-    decided = None
-    if dist.is_main:
-        decided = plan_run(model_base, cfg, vocab_size, train_tokens, val_tokens, dist.device,
-                           dist.world_size, PlanBook(p.train_plan))
-    shared = dist.share({"plan": decided.plan.to_dict(), "measured": decided.measured} if dist.is_main else None)
-    plan = Plan.from_dict(shared["plan"])
-    if not dist.is_main:  # it follows the main rank's plan and, under a time budget, its revisions
-        decided = Decided(plan, shared["measured"], {}, None, "")
+    probes = RankProbes(dist, vocab_size, train_tokens, val_tokens)  # a time budget probes on every rank
+    decided = plan_on_main(dist, lambda: plan_run(model_base, cfg, vocab_size, train_tokens, val_tokens, dist.device,
+                                                  dist.world_size, PlanBook(p.train_plan), probes.probe), probes)
+    plan = decided.plan  # the other ranks follow it and, under a time budget, the main rank's revisions of it
     model_cfg, cfg = apply_plan(plan, model_base, cfg)
     fingerprint = Fingerprint(training_params_hash(params.model, params.train), directory_hash(prepared),
                               code_hash(TRAINING_CODE), parent.weights_sha256 if parent else "none",

@@ -9,12 +9,15 @@ checkpoint. The run that measured revises its steps while it trains, from its re
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import shutil
 import statistics
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -43,6 +46,7 @@ class Probe:
     eval_seconds: float
     save_seconds: float
     seconds: float
+    ranks: int = 1  # the processes that probed together (a run's collectives included)
 
 
 def _timed(fn, device: str) -> float:
@@ -78,20 +82,22 @@ def warmup_for(max_steps: int, cfg) -> int:
 
 
 def probe_shape(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, device: str,
-                attention=None) -> Probe:
+                attention=None, dist: Distributed | None = None) -> Probe:
     """Time PROBE_STEPS optimizer steps (after PROBE_WARMUP_STEPS), one validation pass and one checkpoint of a
-    throwaway model of `model_cfg`'s shape, trained in one process on `device` with the run's settings (eager when
-    train.compile is auto: that is decided from this). The global generators are restored afterwards; nothing of
-    the real run is touched."""
+    throwaway model of `model_cfg`'s shape, trained with the run's settings (eager when train.compile is auto: that
+    is decided from this) in one process on `device`, or on all of `dist`'s ranks — each calls this with the same
+    arguments, so the steps and the checkpoint pay the run's collectives. The global generators are restored
+    afterwards; nothing of the real run is touched."""
     started = time.perf_counter()
+    dist = dist or Distributed(device=device)
     devices = [torch.device(device).index or 0] if is_cuda(device) else []
-    with torch.random.fork_rng(devices=devices), tempfile.TemporaryDirectory(prefix="ultrathink-probe-") as tmp:
+    with torch.random.fork_rng(devices=devices), _shared_temp_dir(dist) as tmp:
         torch.manual_seed(train_cfg.seed)
         cfg = train_cfg.model_copy(update={"max_steps": 10**9, "warmup_steps": 1,
                                            "compile": train_cfg.compile is True})
-        dist = Distributed(device=device)
         engine = build_engine(ready_model(UltraThink(model_cfg, vocab_size), cfg, attention, dist), cfg, dist)
         trainer = Trainer(engine, TokenWindows(train_tokens, model_cfg.seq_len, cfg.batch_size, cfg.seed,
+                                               rank=dist.rank, world_size=dist.world_size,
                                                grad_accum=cfg.grad_accum), val_tokens,
                           cfg, CheckpointManager(tmp, Fingerprint("probe", "probe", "probe"), keep=1, keep_configs=1),
                           dist=dist)
@@ -101,7 +107,20 @@ def probe_shape(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens,
         save_seconds = _timed(trainer.save_checkpoint, device)
     step = statistics.median(steps)
     return Probe(step, max(0.0, sum(first) - PROBE_WARMUP_STEPS * step), eval_seconds, save_seconds,
-                 time.perf_counter() - started)
+                 time.perf_counter() - started, dist.world_size)
+
+
+@contextlib.contextmanager
+def _shared_temp_dir(dist: Distributed):
+    """A temporary folder that every rank of `dist` writes its checkpoint shards into; removed when all are done."""
+    path = Path(tempfile.mkdtemp(prefix="ultrathink-probe-")) if dist.is_main else None
+    path = Path(dist.share(str(path) if path else None))
+    try:
+        yield path
+    finally:
+        dist.barrier()
+        if dist.is_main:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 # train.compile auto compiles a run whose eager training is measured to take at least this long: torch.compile

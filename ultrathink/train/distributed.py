@@ -75,13 +75,13 @@ class Distributed:
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     # ---- small collectives ---------------------------------------------------------------------------------
-    def mean(self, value: float) -> float:
-        """Average of a per-rank number (a loss) over all ranks."""
+    def sum(self, value: float) -> float:
+        """The sum of a per-rank number over all ranks."""
         if self.world_size == 1:
             return value
         tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor)
-        return tensor.item() / self.world_size
+        return tensor.item()
 
     def share(self, value):
         """The main rank's value (anything JSON can carry) on every rank."""
@@ -130,9 +130,9 @@ class Distributed:
             raise RuntimeError(f"ranks hold different routing state ({', '.join(differ)}); refusing to checkpoint")
 
     def gather_rng_states(self) -> list[dict]:
-        """Every rank's random number generator states (CPU, and each CUDA device's), indexed by rank; collective."""
-        mine = {"cpu": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+        """Every rank's random number generator states (CPU, and its own GPU's), indexed by rank; collective."""
+        mine = {"cpu": torch.get_rng_state(),  # and this rank's own GPU's (ranks may see different GPU counts)
+                "cuda": [torch.cuda.get_rng_state(self.device)] if self.kind == "cuda" else []}
         if self.world_size == 1:
             return [mine]
         flat = torch.cat([mine["cpu"], *mine["cuda"]]).to(self.device)
@@ -153,8 +153,8 @@ class Distributed:
             torch.manual_seed(seed + 1_000_003 * step + self.rank)
             return False
         torch.set_rng_state(states[self.rank]["cpu"])
-        if states[self.rank]["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(states[self.rank]["cuda"])
+        if states[self.rank]["cuda"] and self.kind == "cuda":
+            torch.cuda.set_rng_state(states[self.rank]["cuda"][0], self.device)
         return True
 
     def barrier(self) -> None:
@@ -208,7 +208,10 @@ def setup(backend: str) -> Distributed:
         torch.cuda.set_device(device)
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator: gloo, no CUDA probing
-    group = dict(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+    # The timeout covers the main rank's solo work while the others wait in a collective: the plan's probe, the
+    # final save and MLflow logging. device_id binds NCCL to this rank's GPU (no guess at the first barrier).
+    group = dict(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=30),
+                 **({"device_id": torch.device(device)} if cuda else {}))
     if world_size == 1:  # DeepSpeed in one process still talks through a process group: one of one, no network
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")  # what DeepSpeed reads where torchrun sets it
         dist.init_process_group(**group, store=dist.HashStore(), rank=0, world_size=1)

@@ -34,12 +34,13 @@ class BatchLayout:
     accum: int
 
     @classmethod
-    def split(cls, batch_size: int, grad_accum: int, world_size: int = 1) -> BatchLayout:
+    def split(cls, batch_size: int, grad_accum: int, world_size: int = 1, knobs: str | None = None) -> BatchLayout:
+        """`knobs`: the settings that made the global batch, for the error (default train.batch_size × grad_accum)."""
         sequences = batch_size * grad_accum
         if sequences % world_size:
-            raise BatchSplitError(
-                f"the global batch of {sequences} sequences (train.batch_size {batch_size} × train.grad_accum "
-                f"{grad_accum}) cannot be split evenly over {world_size} ranks: make it a multiple of {world_size}")
+            knobs = knobs or f"train.batch_size {batch_size} × train.grad_accum {grad_accum}"
+            raise BatchSplitError(f"the global batch of {sequences} sequences ({knobs}) cannot be split evenly over "
+                                  f"{world_size} ranks: make it a multiple of {world_size}")
         per_rank = sequences // world_size
         accum = -(-per_rank // batch_size)  # the fewest micro-batches of at most batch_size
         while per_rank % accum:

@@ -17,6 +17,7 @@ line before training (its weights will differ from the recorded class's), and it
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 import json
 import logging
 from dataclasses import asdict, dataclass, field
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
-from ultrathink.config import Budget
+from ultrathink.config import Budget, ModelConfig, TrainConfig
 from ultrathink.device import is_cuda
 from ultrathink.hashing import json_hash
 from ultrathink.io import atomic_write_json
@@ -226,7 +227,7 @@ def decide_precision(requested: str, device: str, gflops: dict[str, float] | Non
     if requested != "auto":
         return requested
     if is_cuda(device):
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp32"
     return "bf16" if gflops["bf16"] >= BF16_MIN_GAIN * gflops["fp32"] else "fp32"
 
 
@@ -278,7 +279,7 @@ class Decided:
 
 
 def plan_run(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, device: str, world_size: int = 1,
-             book: PlanBook | None = None) -> Decided:
+             book: PlanBook | None = None, probe: Callable[..., Probe] | None = None) -> Decided:
     """The one planning step: read this configuration's plan for this machine class from `book`, or decide it
     (measuring what must be measured) and record it there. Without a book (a probe, a benchmark) it decides."""
     machine = machine_class(device)
@@ -288,13 +289,53 @@ def plan_run(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, de
     others = book.others(machine, key) if book else {}
     if recorded is not None:
         return Decided(recorded, False, others, peak_for(recorded.precision, device, gflops), key)
-    plan = decide(model_cfg, train_cfg, vocab_size, train_tokens, val_tokens, device, world_size, gflops)
+    probe = probe or (lambda model_cfg, train_cfg, kernel: probe_shape(model_cfg, train_cfg, vocab_size, train_tokens,
+                                                                       val_tokens, device, kernel))
+    plan = decide(model_cfg, train_cfg, vocab_size, train_tokens, device, world_size, gflops, probe)
     plan.machine = machine
     if others:
         log.warning("%s", other_class_line(plan, others))
     if book:
         book.record(machine, key, plan)
     return Decided(plan, True, others, peak_for(plan.precision, device, gflops), key)
+
+
+class RankProbes:
+    """A time budget's probes on all of a run's ranks. The main rank decides the plan and, at each probe, tells the
+    other ranks what it probes; they run the same probe with it (`follow`), so its steps and checkpoint pay the
+    run's collectives, until the main rank sends the plan."""
+
+    def __init__(self, dist, vocab_size: int, train_tokens, val_tokens):
+        self.dist, self.vocab_size, self.train_tokens, self.val_tokens = dist, vocab_size, train_tokens, val_tokens
+
+    def probe(self, model_cfg: ModelConfig, train_cfg: TrainConfig, kernel: AttentionKernel | None) -> Probe:
+        """On the main rank, inside plan_run."""
+        self.dist.share({"probe": [model_cfg.model_dump(mode="json"), train_cfg.model_dump(mode="json"),
+                                   kernel.to_dict() if kernel else None]})
+        return self._run(model_cfg, train_cfg, kernel)
+
+    def follow(self) -> dict:
+        """On the other ranks: each probe the main rank announces, then its plan message."""
+        while "probe" in (message := self.dist.share(None)):
+            model, train, kernel = message["probe"]
+            self._run(ModelConfig.model_validate(model), TrainConfig.model_validate(train),
+                      AttentionKernel(**kernel) if kernel else None)
+        return message
+
+    def _run(self, model_cfg, train_cfg, kernel) -> Probe:
+        return probe_shape(model_cfg, train_cfg, self.vocab_size, self.train_tokens, self.val_tokens,
+                           self.dist.device, kernel, self.dist)
+
+
+def plan_on_main(dist, decide: Callable[[], Decided], probes: RankProbes | None = None) -> Decided:
+    """The plan of a run on `dist`'s ranks: the main rank `decide`s (reads the book, or measures and records), the
+    others follow its plan and record nothing; with `probes` they take part in its probes."""
+    if dist.is_main:
+        decided = decide()
+        dist.share({"plan": decided.plan.to_dict(), "measured": decided.measured})
+        return decided
+    message = probes.follow() if probes else dist.share(None)
+    return Decided(Plan.from_dict(message["plan"]), message["measured"], {}, None, "")
 
 
 def round_figures(value: float, figures: int = 2) -> float:
@@ -310,8 +351,8 @@ def other_class_line(plan: Plan, others: dict[str, Plan]) -> str:
             f"{brief(first)}); decided here: {brief(plan)}. The weights will differ from that class's.")
 
 
-def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, device: str, world_size: int,
-           gflops: dict[str, float] | None) -> Plan:
+def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, world_size: int,
+           gflops: dict[str, float] | None, probe: Callable[..., Probe]) -> Plan:
     """Precision, then (model.size auto) the shape, the attention kernel for it, the probe a time budget or
     compile auto needs, the steps and compile."""
 
@@ -325,8 +366,7 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, devi
 
     def measure(model_cfg, train_cfg) -> tuple[AttentionKernel, dict, Probe]:
         kernel, timings = decide_attention(train_cfg.attention, model_cfg, train_cfg.batch_size, precision, device)
-        return kernel, timings, probe_shape(model_cfg, train_cfg, vocab_size, train_tokens, val_tokens, device,
-                                            kernel)
+        return kernel, timings, probe(model_cfg, train_cfg, kernel)
 
     sized, probes = None, []
     if model_cfg.size == "auto":
@@ -357,7 +397,7 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, devi
             probes.append((None, measure(model_cfg, train_cfg)))
         last = probes[-1][1][2]
         measured = Probe(last.step_seconds, last.first_steps_extra, last.eval_seconds, last.save_seconds,
-                         sum(p[2].seconds for _, p in probes))
+                         sum(p[2].seconds for _, p in probes), last.ranks)
     if probes:
         kernel, timings = probes[-1][1][:2]
     else:

@@ -205,15 +205,22 @@ class Trainer:
         ranks here, in one collective, identically for every backend. Only an applied step moves the routing
         state, on every rank from the same numbers; a skipped step's statistics are dropped with it."""
         self.engine.module.train()
+        batches = [next(self.loader) for _ in range(self.layout.accum)]
+        # The step's loss is the mean over the global batch's targets, however the ranks and micro-batches split
+        # it: a micro-batch's mean loss weighs by its share of the targets (fine-tuning's answers differ in length;
+        # in pretraining every share is equal and every weight exactly 1).
+        targets = [int((y != scoring.IGNORE).sum()) for _, y in batches]
+        in_step = max(self.dist.sum(float(sum(targets))), 1.0)
         total, stats = 0.0, {}
-        for _ in range(self.layout.accum):
-            x, y = (t.to(self.dist.device, non_blocking=True) for t in next(self.loader))
+        for (x, y), count in zip(batches, targets):
+            x, y = x.to(self.dist.device, non_blocking=True), y.to(self.dist.device, non_blocking=True)
             with self.engine.autocast():
                 out = self.engine.module(x, y)
-            self.engine.backward(out.loss)
-            total += out.loss.item() / self.layout.accum
+            weight = count * self.layout.accum * self.dist.world_size / in_step  # the engine and ranks average
+            self.engine.backward(out.loss if weight == 1.0 else out.loss * weight)
+            total += out.loss.item() * count / in_step
             stats = routing.add(stats, out.routing)
-        total = self.dist.mean(total)  # every rank sees the same loss, so all take the same skip decision
+        total = self.dist.sum(total)  # every rank sees the same loss, so all take the same skip decision
         stats = self.dist.sum_stats(stats)
         grad_norm, applied = self.engine.step(total)
         if not applied:
