@@ -89,3 +89,22 @@ def test_each_rank_reads_its_half_of_the_global_batch_and_an_odd_batch_names_the
     with pytest.raises(BatchSplitError, match=r"global batch of 7 sequences \(finetune.batch_size 7\) cannot be "
                                               r"split evenly over 2 ranks"):
         ChatBatches(tokenizer, chats, 48, 7, seed=3, rank=0, world_size=2)
+
+
+def test_what_cannot_fine_tune_on_several_ranks_is_refused_with_the_way_out(assets, tmp_path):  # noqa: F811
+    from ultrathink.config import Params
+    from ultrathink.errors import StageError
+    from ultrathink.finetune.sft import Base, ShardedQuantizedError, build
+    from ultrathink.stages import finetune
+    from ultrathink.train.distributed import Distributed
+
+    params = Params(train={"backend": "deepspeed"}, launch={"nproc_per_node": 2},
+                    finetune={"enabled": True, "init_from": str(assets / "model")})
+    with pytest.raises(StageError, match=r"train.backend is deepspeed: set it for the fine-tune "
+                                         r"\(--set train.backend=ddp\)"):
+        finetune.run(params)  # before any rank starts
+    quantized = Params(paths={"finetune_checkpoint_dir": str(tmp_path / "ckpt")},
+                       finetune={"quantize": "int8", "init_from": str(assets / "model")})
+    base = Base("dir", str(assets / "model"), assets / "model", assets / "tokenizer", "sha")
+    with pytest.raises(ShardedQuantizedError, match="finetune.quantize int8 cannot be sharded by FSDP.*train.backend ddp"):
+        build(quantized, base, None, [], [], Distributed(rank=0, world_size=2, backend="fsdp"))
