@@ -65,3 +65,14 @@ def test_the_isa_is_the_widest_matmul_instruction_set():
     assert cpu_isa({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}) == "amx_bf16"
     assert cpu_isa({"avx2", "avx512f", "avx512_bf16"}) == "avx512_bf16"
     assert cpu_isa({"avx2", "fma"}) == "avx2" and cpu_isa(set()) == "baseline"
+
+
+def test_flash_attention_in_fp32_on_a_gpu_is_refused_before_training():
+    from ultrathink.errors import StageError
+    from ultrathink.train.plan import decide_attention
+
+    with pytest.raises(StageError, match="train.attention flash has no fp32 kernel on a GPU.*train.precision bf16"):
+        decide_attention("flash", MODEL, 4, "fp32", "cuda:0")  # a plain check: no GPU is touched
+    kernel, timings = decide_attention("flash", MODEL, 4, "fp32", "cpu")  # the CPU has an fp32 flash kernel
+    assert (kernel.backend, timings) == ("flash", {})
+    assert decide_attention("flash", MODEL, 4, "bf16", "cuda:0")[0].backend == "flash"

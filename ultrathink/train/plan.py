@@ -28,6 +28,7 @@ from filelock import FileLock
 
 from ultrathink.config import Budget, ModelConfig, TrainConfig
 from ultrathink.device import is_cuda
+from ultrathink.errors import StageError
 from ultrathink.hashing import json_hash
 from ultrathink.io import atomic_write_json
 from ultrathink.model.kernels import AttentionKernel, choose_attention, fixed_kernel, label
@@ -241,6 +242,9 @@ def peak_for(precision: str, device: str, gflops: dict[str, float] | None) -> fl
 
 def decide_attention(setting: str, model_cfg, batch_size: int, precision: str,
                      device: str) -> tuple[AttentionKernel, dict[str, float]]:
+    if setting == "flash" and precision == "fp32" and is_cuda(device):  # SDPA would raise "No available kernel"
+        raise StageError("train.attention flash has no fp32 kernel on a GPU (FlashAttention computes in bf16 or "
+                         "fp16): set train.precision bf16 (or auto), or train.attention auto")
     if setting != "auto":
         return fixed_kernel(setting), {}
     m = model_cfg
