@@ -182,14 +182,14 @@ def test_train_stage_spends_a_budget_records_the_plan_and_reuses_it(tmp_path, mo
     assert len(client_for(project).get_metric_history(run.info.run_id, "train_loss")) == plan["max_steps"]
 
     # Run again: the configuration's recorded plan is read back, nothing is measured, the run resumes at its end.
-    from ultrathink.stages import train as train_task
+    from ultrathink.train import pretrain
     from ultrathink.train import plan as plan_module
     from ultrathink.train.distributed import Distributed
 
     monkeypatch.chdir(project)
     monkeypatch.setattr(plan_module, "decide", lambda *a, **k: pytest.fail("a recorded plan was re-measured"))
     params = load_params(project / "params.yaml")
-    trainer, _, again = train_task.build_trainer(params, Distributed())
+    trainer, _, again = pretrain.build_trainer(params, Distributed())
     assert not again.measured and again.plan.to_dict() == plan and trainer.cfg.max_steps == plan["max_steps"]
     assert trainer.resume() == plan["max_steps"]
 

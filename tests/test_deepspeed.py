@@ -20,7 +20,9 @@ def test_config_is_generated_from_train_params():
             config["train_batch_size"], config["gradient_clipping"]) == (3, 2, 12, 0.5)  # 12 = 4 × 3, 6 per rank
     assert config["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                            "offload_param": {"device": "cpu"}}
-    assert config["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"} and "fp16" not in config
+    # No gradient reduced in bf16 (DeepSpeed's default would tag every Linear's), as under DDP and FSDP.
+    assert config["torch_autocast"] == {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
+    assert "fp16" not in config
     fp32 = ds_config(TrainConfig(backend="deepspeed"), "fp32", world_size=1)
     assert "torch_autocast" not in fp32 and "fp16" not in fp32 and fp32["zero_optimization"] == {"stage": 2}
     assert ds_config(TrainConfig(backend="deepspeed"), "fp16", world_size=1)["fp16"] == {"enabled": True,
