@@ -182,7 +182,7 @@ def test_train_stage_spends_a_budget_records_the_plan_and_reuses_it(tmp_path, mo
     assert len(client_for(project).get_metric_history(run.info.run_id, "train_loss")) == plan["max_steps"]
 
     # Run again: the configuration's recorded plan is read back, nothing is measured, the run resumes at its end.
-    from ultrathink.train import pretrain
+    from ultrathink.stages import pretrain
     from ultrathink.train import plan as plan_module
     from ultrathink.train.distributed import Distributed
 

@@ -240,8 +240,9 @@ def same_run(uninterrupted: Path, resumed: Path) -> None:
 
 
 def test_a_checkpoint_resumes_on_another_number_of_ranks(single, two, tmp_path):
-    """Two ranks → one process and one process → two ranks, at the same step with the same global batch and data
-    position: the loss history from there is the uninterrupted run's on the new number of ranks (within 1e-5).
+    """Two ranks → one process and one process → two ranks (and two DDP ranks → two FSDP ranks), at the same step
+    with the same global batch and data position: the loss history from there is the uninterrupted run's on the new
+    number of ranks (within 1e-5).
     DeepSpeed's per-rank ZeRO state refuses another number of ranks, naming both."""
     base, env, name = two
     backend, _ = BACKENDS[name]
@@ -258,6 +259,10 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(single, two, tmp_path):
     same_run(base, tmp_path / "to_two" / "copy")
     summary = json.loads((tmp_path / "to_two" / "copy" / "model" / "train_summary.json").read_text())
     assert (summary["world_size"], summary["backend"]) == (2, backend)
+    if backend == "ddp":  # and onto another backend: two DDP ranks' checkpoint resumed by two FSDP ranks
+        to_fsdp = resume_copy(base, tmp_path / "to_fsdp", env, 2, backend="fsdp")
+        assert to_fsdp.returncode == 0, to_fsdp.stderr[-3000:]
+        same_run(single, tmp_path / "to_fsdp" / "copy")  # FSDP on 2 ranks takes one process's steps (test above)
 
 
 def kill_job(proc: subprocess.Popen) -> None:
