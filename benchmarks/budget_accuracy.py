@@ -27,9 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 
-def prepared_project(tmp: Path, corpus: Path, budget: str, overrides: list[str]) -> Path:
+def prepared_project(tmp: Path, corpus: str, budget: str, overrides: list[str]) -> Path:
+    """A copy of this project with `corpus` (text) as its data source, validated, tokenized and prepared."""
     project = make_project(tmp)
-    (project / "data" / "raw" / "corpus.txt").write_text(corpus.read_text(encoding="utf-8"), encoding="utf-8")
+    (project / "data" / "raw").mkdir(parents=True, exist_ok=True)
+    (project / "data" / "raw" / "corpus.txt").write_text(corpus, encoding="utf-8")
     shutil.copy(ROOT / "params.yaml", project / "params.yaml")  # the shipped params, not the tests' tiny ones
     set_params(project, {"data": {"source": "data/raw/corpus.txt"}, "tokenizer": {"vocab_size": "auto"},
                          "model": {"size": "auto"}, "train": {"budget": budget}})
@@ -60,7 +62,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="ultrathink-budget-") as tmp:
-        project = prepared_project(Path(tmp), args.corpus, args.budgets[0], args.overrides)
+        project = prepared_project(Path(tmp), args.corpus.read_text(encoding="utf-8"), args.budgets[0], args.overrides)
         rows = [train(project, budget, args.overrides) for budget in args.budgets]
     print(f"\n{'budget':>7} {'probe s':>8} {'train s':>8} {'spent s':>8} {'spent/budget':>13} {'steps':>6} "
           f"{'stage s':>8}  re-plans (step → steps)   shape")

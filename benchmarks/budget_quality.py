@@ -1,17 +1,24 @@
 """Quality for a budget: the pipeline with nothing but a budget set (train.budget, model.size auto, tokenizer
-vocab auto) against nanoGPT's quick CPU config (a char-level GPT, 0.8M params, 2000 iterations), both scored on
-the same held-out text in bits per byte.
+vocab auto) against nanoGPT's quick CPU config (a char-level GPT, 0.8M params) trained for the same seconds, both
+scored on the same held-out text in bits per byte.
 
 The corpus's first 90% (by characters) is the pipeline's data source; the last 10% is never trained on and is scored
 as raw text: `ultrathink eval` for ours, every character for the char-level baseline. The pipeline runs as users
 run it (`python -m tasks.<stage>` in a copy of this project, so validate, the tokenizer, prepare and train are the
-real stages); `--set` adds params (e.g. --set train.optimizer=muon).
+real stages: prepared once per corpus, then trained afresh for each budget and variant, with no checkpoint or plan
+of an earlier run). `--set` adds params to every run (e.g. --set train.precision=fp32); `--variant` names a further
+run per budget with its own params (e.g. --variant relu2=model.mlp=relu2), to compare ideas at equal wall-clock.
 
-    .venv/bin/python benchmarks/budget_quality.py [--corpus ../shared/data/tinyshakespeare.txt|embedded]
-        [--budget 2min] [--set key=value ...] [--skip-baseline] [--grid]
+The baseline is nanoGPT's README CPU run of shakespeare_char, given the same seconds the way a user with this
+machine would set `max_iters`: its step is timed first and its iteration count (and so its cosine decay) fitted to
+the seconds, at most the README's 2000.
 
---grid trains once per optimizer × schedule (AdamW, Muon, Lion × cosine, WSD) at the same budget and prints the
-table the defaults were picked from (Lion at a tenth of the learning rate, as its authors advise).
+    .venv/bin/python benchmarks/budget_quality.py [--corpus FILE|embedded ...] [--budget 2min ...]
+        [--set key=value ...] [--variant NAME=key=value[,key=value] ...] [--skip-baseline] [--match 2min]
+        [--repeats N] [--grid]
+
+--match 2min: the baseline trains for 2 minutes on each corpus and every budget of ours is compared with that score
+(time to quality). --grid trains once per optimizer × schedule (AdamW, Muon, Lion × cosine, WSD) at the same budget.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import argparse
 import json
 import math
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -30,79 +38,112 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from budget_accuracy import prepared_project  # noqa: E402
 from reference_gpt import GPT  # noqa: E402
-from tests.e2e_helpers import make_project, set_params, sh  # noqa: E402
+from tests.e2e_helpers import sh  # noqa: E402
 
-from ultrathink.text_eval import evaluate_text_file  # noqa: E402
+from ultrathink.config import Budget  # noqa: E402
+from ultrathink.registry.models import evaluate_text_file  # noqa: E402
 from ultrathink.train.engine import autocast  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
-STAGES = ("validate", "tokenizer", "prepare", "train")
+README_ITERATIONS, WARMUP = 2000, 100
+# The baseline's step is timed after WARM_UP iterations (the first ones build kernels and grow buffers: several
+# times slower) over TIMED more.
+WARM_UP, TIMED = 30, 60
 
 
-def pipeline(project: Path, corpus: str, budget: str, overrides: list[str]) -> dict:
-    (project / "data" / "raw").mkdir(parents=True, exist_ok=True)
-    (project / "data" / "raw" / "corpus.txt").write_text(corpus, encoding="utf-8")
-    # The shipped params.yaml (make_project wrote the tests' tiny ones), then only the source and the budget.
-    shutil.copy(ROOT / "params.yaml", project / "params.yaml")
-    set_params(project, {"data": {"source": "data/raw/corpus.txt"}, "tokenizer": {"vocab_size": "auto"},
-                         "model": {"size": "auto"}, "train": {"budget": budget}})
-    seconds = {}
-    for stage in STAGES:
-        started = time.perf_counter()
-        done = sh([sys.executable, "-m", f"tasks.{stage}", *sum((["--set", o] for o in overrides), [])], project)
-        seconds[stage] = time.perf_counter() - started
-        if stage == "train":
-            print("\n".join(line for line in (done.stdout + done.stderr).splitlines()
-                            if line.startswith(("plan:", "train:")) or "plan:" in line)[-1500:])
+def train_and_score(project: Path, held_out: Path, budget: str, overrides: list[str]) -> dict:
+    """A fresh train stage (no checkpoint or plan of an earlier run), then what `ultrathink eval --model
+    artifacts/model --text-file held_out` computes."""
+    for stale in ("artifacts/checkpoints", "artifacts/model", "plans"):
+        shutil.rmtree(project / stale, ignore_errors=True)
+    limit = (["train.budget=null", f"train.max_steps={budget.removesuffix('steps')}"] if budget.endswith("steps")
+             else [f"train.budget={budget}"])
+    done = sh([sys.executable, "-m", "tasks.train", *sum((["--set", o] for o in limit + overrides), [])], project)
+    sizing = next((line for line in (done.stdout + done.stderr).splitlines() if "model.size auto:" in line), "")
     summary = json.loads((project / "artifacts" / "model" / "train_summary.json").read_text())
-    return {"seconds": seconds, "summary": summary}
+    scored = evaluate_text_file(str(project / "artifacts" / "model"), held_out, "paragraph", root=project,
+                                tokenizer_dir=project / "artifacts" / "tokenizer").to_dict()
+    seconds = json.loads((project / "reports" / "train_run.json").read_text())["seconds"]
+    config = json.loads((project / "artifacts" / "model" / "config.json").read_text())
+    model = config["model"]
+    return {"bpb": scored["bits_per_byte"], "steps": summary["steps"], "seconds": seconds,
+            "params": summary["params"], "vocab": config["vocab_size"],
+            "non_embedding_params": summary["params"] - config["vocab_size"] * model["d_model"] * (
+                1 if model["tie_embeddings"] else 2),
+            "tokens": summary["steps"] * summary["plan"]["tokens_per_step"],
+            "shape": {k: model[k] for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "seq_len")},
+            "sizing": sizing.split("model.size auto:")[-1].split(" — ")[0].strip()}
 
 
-def score(project: Path, held_out: Path) -> dict:
-    """What `ultrathink eval --model artifacts/model --text-file held_out` computes."""
-    return evaluate_text_file(str(project / "artifacts" / "model"), held_out, "paragraph").to_dict()
+class CharBaseline:
+    """nanoGPT's README CPU run of shakespeare_char: 4 layers, 4 heads, 128 wide, block 64, batch 12, dropout 0,
+    lr 1e-3 cosine to 1e-4 after 100 warmup iterations, AdamW betas (0.9, 0.99), in the precision given."""
 
+    def __init__(self, train_text: str, held_out: str, precision: str):
+        chars = sorted(set(train_text) | set(held_out))
+        self.index = {c: i for i, c in enumerate(chars)}
+        self.data = torch.tensor([self.index[c] for c in train_text])
+        self.held_out, self.precision = held_out, precision
 
-def char_baseline(train_text: str, held_out: str, iterations: int = 2000) -> tuple[float, float]:
-    """nanoGPT's README CPU run of shakespeare_char: 4 layers, 4 heads, 128 wide, block 64, batch 12, dropout 0, lr
-    1e-3 cosine to 1e-4 over 2000 iterations after 100 warmup, AdamW betas (0.9, 0.99), bf16 where faster. Returns
-    (bits per byte on held_out, training seconds)."""
-    chars = sorted(set(train_text) | set(held_out))
-    index = {c: i for i, c in enumerate(chars)}
-    data = torch.tensor([index[c] for c in train_text])
-    torch.manual_seed(1337)
-    model = GPT(len(chars), 128, 4, 4, 64)
-    opt = model.optimizer(1e-3)
-    for group in opt.param_groups:
-        group["betas"] = (0.9, 0.99)
-    started = time.perf_counter()
-    for it in range(iterations):
-        lr = 1e-3 * (it + 1) / 100 if it < 100 else 1e-4 + 0.5 * (1e-3 - 1e-4) * (
-            1 + math.cos(math.pi * (it - 100) / (iterations - 100)))
+    def run(self, seconds: float) -> dict:
+        iterations = min(README_ITERATIONS, int(seconds / self.seconds_per_iteration()))
+        model, seconds_trained = self.train(iterations)
+        return {"bpb": self.score(model), "iterations": iterations, "seconds": seconds_trained}
+
+    def seconds_per_iteration(self) -> float:
+        """Timed on a throwaway model after a few warm-up iterations, as a user would time a short run."""
+        model, opt = self.fresh()
+        for it in range(WARM_UP + TIMED):
+            if it == WARM_UP:
+                started = time.perf_counter()
+            self.step(model, opt, 1e-3)
+        return (time.perf_counter() - started) / TIMED
+
+    def fresh(self) -> tuple[GPT, torch.optim.Optimizer]:
+        torch.manual_seed(1337)
+        model = GPT(len(self.index), 128, 4, 4, 64)
+        opt = model.optimizer(1e-3)
+        for group in opt.param_groups:
+            group["betas"] = (0.9, 0.99)
+        return model, opt
+
+    def step(self, model: GPT, opt: torch.optim.Optimizer, lr: float) -> None:
         for group in opt.param_groups:
             group["lr"] = lr
-        starts = torch.randint(len(data) - 65, (12,))
-        x = torch.stack([data[s:s + 64] for s in starts])
-        y = torch.stack([data[s + 1:s + 65] for s in starts])
-        with autocast("auto"):
+        starts = torch.randint(len(self.data) - 65, (12,))
+        x = torch.stack([self.data[s:s + 64] for s in starts])
+        y = torch.stack([self.data[s + 1:s + 65] for s in starts])
+        with autocast(self.precision):
             loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    seconds = time.perf_counter() - started
-    ids = torch.tensor([index[c] for c in held_out])
-    total = 0.0
-    model.eval()
-    with torch.no_grad():
-        for s in range(0, len(ids) - 1, 64):
-            x, y = ids[s:s + 64], ids[s + 1:s + 65]
-            x = x[: len(y)]
-            total += F.cross_entropy(_logits(model, x[None]), y, reduction="sum").item()
-    # Every character after the first is predicted once (windows of 64 without overlap, as `ultrathink eval` does).
-    return total / math.log(2) / len(held_out.encode("utf-8")), seconds
+
+    def train(self, iterations: int) -> tuple[GPT, float]:
+        model, opt = self.fresh()
+        warmup = min(WARMUP, iterations // 10)
+        started = time.perf_counter()
+        for it in range(iterations):
+            lr = 1e-3 * (it + 1) / warmup if it < warmup else 1e-4 + 0.5 * (1e-3 - 1e-4) * (
+                1 + math.cos(math.pi * (it - warmup) / max(1, iterations - warmup)))
+            self.step(model, opt, lr)
+        return model, time.perf_counter() - started
+
+    def score(self, model: GPT) -> float:
+        """Bits per byte of the held-out text: every character after the first predicted once, in windows of 64
+        without overlap (as `ultrathink eval` does)."""
+        ids = torch.tensor([self.index[c] for c in self.held_out])
+        total = 0.0
+        model.eval()
+        with torch.no_grad():
+            for s in range(0, len(ids) - 1, 64):
+                x, y = ids[s:s + 64], ids[s + 1:s + 65]
+                total += F.cross_entropy(_logits(model, x[: len(y)][None]), y, reduction="sum").item()
+        return total / math.log(2) / len(self.held_out.encode("utf-8"))
 
 
 def _logits(model: GPT, idx: torch.Tensor) -> torch.Tensor:
@@ -125,52 +166,84 @@ def corpus_text(corpus: str) -> str:
     return Path(corpus).read_text(encoding="utf-8")
 
 
-def trained_score(text: str, cut: int, budget: str, overrides: list[str]) -> tuple[dict, dict]:
-    with tempfile.TemporaryDirectory(prefix="ultrathink-quality-") as tmp:
-        project = make_project(Path(tmp))
-        held_out = Path(tmp) / "held_out.txt"
-        held_out.write_text(text[cut:], encoding="utf-8")
-        ran = pipeline(project, text[:cut], budget, overrides)
-        return ran, score(project, held_out)
+def variants(args) -> list[tuple[str, list[str]]]:
+    extra = [(v.split("=", 1)[0], v.split("=", 1)[1].split(",")) for v in args.variants]
+    if args.grid:
+        extra = [(f"{o}+{s}", [f"train.optimizer={o}", f"train.schedule={s}"] + ([f"train.lr={LION_LR}"]
+                                                                                   if o == "lion" else []))
+                 for o, s in GRID]
+    return [("defaults", [])] + [(name, sets) for name, sets in extra if name != "defaults"]
 
 
-def grid(text: str, cut: int, name: str, budget: str, overrides: list[str]) -> None:
+def precision_of(overrides: list[str]) -> str:
+    return next((o.split("=", 1)[1] for o in overrides if o.startswith("train.precision=")), "auto")
+
+
+def run_corpus(corpus: str, args, tmp: Path) -> list[dict]:
+    text = corpus_text(corpus)
+    cut = int(len(text) * 0.9)
+    name = Path(corpus).stem
+    timed = next((b for b in args.budgets if not b.endswith("steps")), None)
+    project = prepared_project(tmp / name, text[:cut], timed, args.overrides)
+    held_out = tmp / name / "held_out.txt"
+    held_out.write_text(text[cut:], encoding="utf-8")
+    baseline = CharBaseline(text[:cut], text[cut:], precision_of(args.overrides))
     rows = []
-    for optimizer, schedule in GRID:
-        extra = [f"train.optimizer={optimizer}", f"train.schedule={schedule}"]
-        extra += [f"train.lr={LION_LR}"] if optimizer == "lion" else []
-        ran, ours = trained_score(text, cut, budget, overrides + extra)
-        rows.append((optimizer, schedule, ours["bits_per_byte"], ran["summary"]["steps"], ran["summary"]["seconds"]))
-        print(f"  {optimizer:6s} {schedule:7s} {ours['bits_per_byte']:.4f} bits/byte  ({rows[-1][3]} steps, "
-              f"{rows[-1][4]:.0f} s)", flush=True)
-    best = min(rows, key=lambda r: r[2])
-    print(f"{name}, budget {budget}: best {best[0]} + {best[1]} at {best[2]:.4f} bits/byte held out")
+    for budget in args.budgets:
+        base = None if args.skip_baseline else baseline.run(Budget.parse(args.match or budget).amount)
+        for variant, sets in variants(args):
+            for repeat in range(args.repeats):
+                ours = train_and_score(project, held_out, budget, args.overrides + sets)
+                rows.append({"corpus": name, "bytes": len(text[:cut].encode()), "budget": budget, "variant": variant,
+                             "repeat": repeat, "ours": ours, "baseline": base})
+                print(row_line(rows[-1]), flush=True)
+                print("row:", json.dumps(rows[-1]), file=sys.stderr, flush=True)  # for scripts: grep '^row:'
+
+    return rows
+
+
+def row_line(row: dict) -> str:
+    ours, base = row["ours"], row["baseline"]
+    line = (f"{row['corpus']:>12} {row['budget']:>6} {row['variant']:>14}  ours {ours['bpb']:.4f} "
+            f"({ours['seconds']:.0f} s, {ours['steps']} steps, {ours['params'] / 1e6:.2f}M)")
+    if base:
+        line += (f"  nanoGPT {base['bpb']:.4f} ({base['seconds']:.0f} s, {base['iterations']} it)  "
+                 f"ratio {ours['bpb'] / base['bpb']:.3f}")
+    return line + f"  [{ours['sizing']}]"
+
+
+def summary(rows: list[dict]) -> None:
+    print("\ncorpus | budget | variant | ours bits/byte (mean of repeats) | nanoGPT same seconds | ratio")
+    keys = dict.fromkeys((r["corpus"], r["budget"], r["variant"]) for r in rows)
+    for corpus, budget, variant in keys:
+        same = [r for r in rows if (r["corpus"], r["budget"], r["variant"]) == (corpus, budget, variant)]
+        scores = [r["ours"]["bpb"] for r in same]
+        spread = f" ± {statistics.stdev(scores):.4f}" if len(scores) > 1 else ""
+        base = same[0]["baseline"]
+        tail = f" | {base['bpb']:.4f} | {statistics.mean(scores) / base['bpb']:.3f}" if base else " | | "
+        print(f"{corpus} | {budget} | {variant} | {statistics.mean(scores):.4f}{spread}{tail}")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--corpus", default=str(SHAKESPEARE), help="a text file, or 'embedded'")
-    parser.add_argument("--budget", default="2min")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corpus", dest="corpora", action="append", help="a text file, or 'embedded' (repeatable)")
+    parser.add_argument("--budget", dest="budgets", action="append",
+                        help="2min, 30s, ...; or 1000steps: train.max_steps with no budget (the shape keys must be "
+                        "set: equal steps, to compare ideas without the time probe's spread; with --skip-baseline)")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--variant", dest="variants", action="append", default=[])
     parser.add_argument("--skip-baseline", action="store_true")
-    parser.add_argument("--grid", action="store_true", help="optimizer × schedule table (no baseline)")
+    parser.add_argument("--match", help="the baseline's seconds for every budget (time to its quality)")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--grid", action="store_true", help="optimizer × schedule at each budget")
+
     args = parser.parse_args()
-    text = corpus_text(args.corpus)
-    cut = int(len(text) * 0.9)
-    name = Path(args.corpus).name
-    if args.grid:
-        return grid(text, cut, name, args.budget, args.overrides)
-    ran, ours = trained_score(text, cut, args.budget, args.overrides)
-    s = ran["summary"]
-    print(f"corpus {name} ({len(text.encode()):,} bytes; held out: the last 10%), budget {args.budget}, "
-          f"params {' '.join(args.overrides) or '(defaults)'}")
-    print(f"  ultrathink: {ours['bits_per_byte']:.4f} bits/byte held out; train stage "
-          f"{ran['seconds']['train']:.1f} s (training {s['seconds']:.1f} s, {s['steps']} steps, {s['params']:,} "
-          f"params); stages " + ", ".join(f"{k} {v:.1f} s" for k, v in ran["seconds"].items()))
-    if not args.skip_baseline:
-        bpb, seconds = char_baseline(text[:cut], text[cut:])
-        print(f"  nanoGPT char-level baseline (README CPU config, 2000 iterations): {bpb:.4f} bits/byte, "
-              f"{seconds:.1f} s of training")
+    args.corpora, args.budgets = args.corpora or [str(SHAKESPEARE)], args.budgets or ["2min"]
+    print(f"params: {' '.join(args.overrides) or '(the shipped defaults)'}; torch threads {torch.get_num_threads()}",
+          flush=True)
+    with tempfile.TemporaryDirectory(prefix="ultrathink-quality-") as tmp:
+        rows = [row for corpus in args.corpora for row in run_corpus(corpus, args, Path(tmp))]
+    summary(rows)
 
 
 if __name__ == "__main__":

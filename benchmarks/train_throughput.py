@@ -8,7 +8,11 @@ The references run as their authors' loops do: autocast, loss.backward(), fused 
 default AdamW (HF), no clipping. UltraThink runs eager and with `train.compile`; the references eager and (GPT-2)
 compiled.
 
-    .venv/bin/python benchmarks/train_throughput.py [--steps 6] [--reps 5] [--no-compile]
+    .venv/bin/python benchmarks/train_throughput.py [--steps 6] [--reps 5] [--no-compile] [--shape 384x6]
+        [--batch 8] [--vocab 4096] [--model key=value ...]
+
+--model adds an UltraThink row with one model key changed (e.g. --model qk_norm=true --model dropout=0.1): what an
+architecture option costs per step, side by side.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,15 +44,15 @@ SHAPE = dict(d_model=384, n_layers=6, n_heads=6, n_kv_heads=6, seq_len=256)
 VOCAB, BATCH = 4096, 8
 
 
-def ultrathink_step(workdir: Path, compile: bool, **train):
+def ultrathink_step(workdir: Path, compile: bool, model_keys: dict | None = None, **train):
     """A Trainer over random tokens; returns its train_step and model."""
-    cfg = ModelConfig(**SHAPE, dropout=0.0)
+    cfg = ModelConfig(**{**SHAPE, "dropout": 0.0, **(model_keys or {})})
     settings = TrainConfig(batch_size=BATCH, max_steps=10**6, warmup_steps=10, lr=1e-3, precision="auto",
                            compile=compile, eval_every=10**9, checkpoint_every=10**9, **train)
     tokens = np.random.default_rng(0).integers(0, VOCAB, 200_000).astype(np.uint16)
     torch.manual_seed(0)
     model = UltraThink(cfg, VOCAB)
-    name = f"bench-{compile}"
+    name = f"bench-{compile}-{len(model_keys or {})}"
     trainer = Trainer(build_engine(ready_model(model, settings, None, Distributed()), settings, Distributed()), TokenWindows(tokens, cfg.seq_len, BATCH, seed=0), tokens[:10_000], settings,
                       CheckpointManager(workdir / name, Fingerprint(name, "bench", "bench"), 1, 1))
     return trainer.train_step, model
@@ -64,11 +69,20 @@ def reference_step(model: torch.nn.Module, optimizer, forward, precision: str):
 
 
 def main() -> None:
+    global BATCH, VOCAB
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6, help="steps per timed repetition")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile variants")
+    parser.add_argument("--shape", default="384x6", help="d_model x layers (heads of 64, seq_len up to 256)")
+    parser.add_argument("--batch", type=int, default=BATCH)
+    parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--model", dest="model_keys", action="append", default=[],
+                        help="key=value: one more UltraThink row with this model key (e.g. dropout=0.1), eager")
     args = parser.parse_args()
+    width, layers = (int(v) for v in args.shape.split("x"))
+    SHAPE.update(d_model=width, n_layers=layers, n_heads=width // 64, n_kv_heads=width // 64, seq_len=min(256, width))
+    BATCH, VOCAB = args.batch, args.vocab
     keep_freed_host_memory()  # as the train stage does (for every model here: they share the process)
     precision = resolve_precision("auto")
     torch.manual_seed(0)
@@ -83,6 +97,10 @@ def main() -> None:
         steps, params = {}, {}
         steps["ultrathink"], model = ultrathink_step(Path(tmp), compile=False)
         params["ultrathink"] = model.num_params()
+        for item in args.model_keys:
+            key, value = item.split("=", 1)
+            steps[f"ultrathink[{item}]"], _ = ultrathink_step(Path(tmp), compile=False,
+                                                             model_keys={key: yaml.safe_load(value)})
         steps["gpt2_ref"] = reference_step(gpt, gpt.optimizer(1e-3), lambda: gpt(x, x), precision)
         params["gpt2_ref"] = sum(p.numel() for p in gpt.parameters())
         steps["hf_llama"] = reference_step(hf, torch.optim.AdamW(hf.parameters(), lr=1e-3),
