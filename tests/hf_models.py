@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config)
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen3Config)
 
 SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=96, max_position_embeddings=128, rms_norm_eps=1e-6)
@@ -20,6 +21,8 @@ FAMILIES = {
     "mistral": lambda vocab: MistralConfig(**{**SHAPE, "max_position_embeddings": 256}, vocab_size=vocab,
                                            sliding_window=128),
     "qwen2": lambda vocab: Qwen2Config(**SHAPE, vocab_size=vocab, rope_theta=1e6, tie_word_embeddings=False),
+    "qwen3": lambda vocab: Qwen3Config(**SHAPE, vocab_size=vocab, head_dim=16, rope_theta=1e6,
+                                       tie_word_embeddings=True),  # q/k norms (perturbed like every norm)
     "tied": lambda vocab: LlamaConfig(**SHAPE, vocab_size=vocab, tie_word_embeddings=True),  # SmolLM's layout
 }
 

@@ -42,16 +42,17 @@ def check_parity_and_generation(ours, hf, tmp_path):
     assert torch.equal(out, generate(ours, ids, 8, temperature=0))
 
 
-def test_dense_model_exports_as_llama(tmp_path, tokenizer_dir):
-    ours, hf = saved(tmp_path, tokenizer_dir)
-    assert type(hf).__name__ == "LlamaForCausalLM" and hf.config.tie_word_embeddings
+@pytest.mark.parametrize("qk_norm, architecture", [(True, "Qwen3ForCausalLM"), (False, "LlamaForCausalLM")])
+def test_dense_model_exports_as_qwen3_or_llama(tmp_path, tokenizer_dir, qk_norm, architecture):
+    ours, hf = saved(tmp_path, tokenizer_dir, qk_norm=qk_norm)
+    assert type(hf).__name__ == architecture and hf.config.tie_word_embeddings
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     check_parity_and_generation(ours, hf, tmp_path)
     assert (tmp_path / "hf" / "model.safetensors").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
 
 
 def test_moe_model_exports_as_mixtral(tmp_path, tokenizer_dir):
-    ours, hf = saved(tmp_path, tokenizer_dir, moe=dict(enabled=True, every=1, top_k=2, groups=GROUPS))
+    ours, hf = saved(tmp_path, tokenizer_dir, qk_norm=False, moe=dict(enabled=True, every=1, top_k=2, groups=GROUPS))
     assert type(hf).__name__ == "MixtralForCausalLM"
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["num_local_experts"] == 4 and config["num_experts_per_tok"] == 2
@@ -63,6 +64,8 @@ def test_moe_model_exports_as_mixtral(tmp_path, tokenizer_dir):
     (dict(moe=dict(enabled=True, every=2, groups=GROUPS)), "every block"),
     (dict(moe=dict(enabled=True, every=1, top_k=1, groups=GROUPS)), "top_k=1"),
     (dict(moe=dict(enabled=True, every=1, bias_balancing=True, groups=GROUPS)), "bias_balancing"),
+    (dict(moe=dict(enabled=True, every=1, groups=GROUPS)), "qk_norm with MoE"),
+    (dict(qkv_bias=True), "Qwen3 .q/k norms. has no q/k/v biases"),
 ])
 def test_incompatible_models_raise_a_clear_error(model, reason):
     cfg = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=16, **model)

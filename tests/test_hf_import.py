@@ -34,8 +34,8 @@ def test_logits_match_transformers(checkpoint):
     assert difference <= 1e-4, f"{family}: max |Δlogit| {difference:.2e}"
     assert logits.abs().max() > 0.1  # not a degenerate model
     cfg = ours.cfg
-    assert cfg.qkv_bias == (family == "qwen2")
-    assert cfg.tie_embeddings == (family == "tied")
+    assert cfg.qkv_bias == (family == "qwen2") and cfg.qk_norm == (family == "qwen3")
+    assert cfg.tie_embeddings == (family in ("tied", "qwen3"))
     assert (cfg.rope_scaling is not None) == (family == "llama3_rope")
 
 
@@ -43,7 +43,8 @@ def test_a_forgotten_tensor_would_show(checkpoint):
     """The parity test can fail: zeroing any one imported norm or bias moves the logits past the tolerance."""
     family, directory = checkpoint
     ours = UltraThink.from_pretrained(directory)
-    target = "blocks.1.attn.k_proj.bias" if family == "qwen2" else "blocks.1.mlp_norm.weight"
+    target = {"qwen2": "blocks.1.attn.k_proj.bias", "qwen3": "blocks.1.attn.k_norm.weight"}.get(
+        family, "blocks.1.mlp_norm.weight")
     with torch.no_grad():
         base = ours(IDS).logits
         ours.get_parameter(target).fill_(0.0 if target.endswith("bias") else 1.0)
@@ -128,7 +129,7 @@ def test_import_export_round_trip_through_the_cli(checkpoint, tmp_path):
     assert result.exit_code == 0, result.output
     original = json.loads((directory / "config.json").read_text())
     exported = json.loads((tmp_path / "out" / "config.json").read_text())
-    expected_type = "qwen2" if family == "qwen2" else "llama"  # Mistral without a narrower window is a Llama
+    expected_type = family if family in ("qwen2", "qwen3") else "llama"  # Mistral without a narrower window is a Llama
     assert exported["model_type"] == expected_type, result.output
     assert exported["tie_word_embeddings"] == original["tie_word_embeddings"]
     again = reference_logits(tmp_path / "out", IDS)

@@ -1,12 +1,14 @@
+import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import LlamaForCausalLM, Qwen3ForCausalLM
 
 from ultrathink.config import ModelConfig
 from ultrathink.model import UltraThink
 from ultrathink.model.export import to_hf
+from ultrathink.model.model import apply_rotary
 from ultrathink.model.generate import generate, sample_next
 
-CFG = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=64)
+CFG = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=64, qk_norm=False)  # Llama's layout
 VOCAB = 97
 
 
@@ -22,6 +24,30 @@ def test_logits_match_hugging_face_llama():
     assert isinstance(hf, LlamaForCausalLM) and hf.config.tie_word_embeddings
     with torch.no_grad():
         assert torch.allclose(model(x)[0], hf(x).logits, atol=1e-5)
+
+
+def test_qk_norm_normalises_each_head_and_matches_qwen3():
+    """model.qk_norm: RMSNorm over each head's queries and keys before RoPE, as Qwen3 computes (export parity)."""
+    torch.manual_seed(0)
+    model = UltraThink(CFG.model_copy(update={"qk_norm": True}), VOCAB).eval()
+    with torch.no_grad():
+        for norm in (model.blocks[0].attn.q_norm, model.blocks[1].attn.k_norm):
+            norm.weight.copy_(1 + 0.3 * torch.randn(norm.weight.shape))  # away from 1: a skipped norm would show
+    attn, x = model.blocks[0].attn, torch.randn(2, 5, CFG.d_model)
+    cos, sin = model.rotary(0, 5)
+    q, k, _ = attn.project(x, cos, sin)
+    raw_q = attn.q_proj(x).view(2, 5, CFG.n_heads, CFG.head_dim)
+    expected = raw_q * torch.rsqrt(raw_q.pow(2).mean(-1, keepdim=True) + CFG.norm_eps) * attn.q_norm.weight
+    assert torch.allclose(q, apply_rotary(expected, cos.unsqueeze(-2), sin.unsqueeze(-2)), atol=1e-5)
+    hf = to_hf(model)
+    assert isinstance(hf, Qwen3ForCausalLM)
+    ids = torch.randint(0, VOCAB, (2, 40))
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, hf(ids).logits, atol=1e-5)
+    plain = UltraThink(CFG, VOCAB).eval()
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if "_norm" not in k or "attn." not in k})
+    with torch.no_grad():
+        assert (plain(ids).logits - model(ids).logits).abs().max() > 1e-3
 
 
 def test_causal_later_tokens_do_not_change_earlier_logits():
@@ -76,8 +102,10 @@ def test_save_and_load_round_trip(tmp_path):
         assert torch.equal(model(x)[0], loaded(x)[0])
 
 
-def test_loss_is_cross_entropy_and_gradients_reach_every_parameter():
-    model = tiny().train()
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_loss_is_cross_entropy_and_gradients_reach_every_parameter(qk_norm):
+    torch.manual_seed(0)
+    model = UltraThink(CFG.model_copy(update={"qk_norm": qk_norm}), VOCAB).train()
     x, y = torch.randint(0, VOCAB, (2, 16)), torch.randint(0, VOCAB, (2, 16))
     logits, loss = model(x, y)[:2]
     assert torch.isclose(loss, torch.nn.functional.cross_entropy(logits.view(-1, VOCAB), y.view(-1)))

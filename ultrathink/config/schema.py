@@ -240,7 +240,7 @@ class RopeScaling(Section):
 
 MANUAL_SHAPE = {"d_model": 192, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "seq_len": 128}
 # What else fixes the computation a set of weights was trained for (a parent's config must agree on these).
-ARCHITECTURE_KEYS = ("rope_theta", "rope_scaling", "qkv_bias", "tie_embeddings", "norm_eps")
+ARCHITECTURE_KEYS = ("rope_theta", "rope_scaling", "qkv_bias", "qk_norm", "tie_embeddings", "norm_eps")
 
 
 class ModelConfig(Section):
@@ -261,7 +261,12 @@ class ModelConfig(Section):
     tie_embeddings: bool = Field(True, description="the output projection is the token embedding (false: a "
                                  "separate lm_head matrix, as Llama 2/3 8B and TinyLlama have)")
     norm_eps: float = Field(1e-5, gt=0)
-    dropout: float = Field(0.1, ge=0, lt=1)
+    qk_norm: bool = Field(True, description="RMSNorm on every head's queries and keys before RoPE (Qwen3's "
+                          "layout; exported as Qwen3): measured better at equal wall-clock on every corpus "
+                          "(benchmarks/README.md); false: Llama's attention")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on attention and on each block's two outputs. "
+                           "Off by default: at equal wall-clock it lost on every corpus measured (it slows a CPU step "
+                           "by ~25% and a short run does not overfit; benchmarks/README.md)")
     init_std: float = Field(0.02, gt=0)
     moe: MoEConfig = MoEConfig()
     dre: DREConfig = DREConfig()

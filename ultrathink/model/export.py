@@ -1,14 +1,15 @@
 """Export an UltraThink model as a Hugging Face transformers directory (`ultrathink export`, and the registry's
 hf/ artifact).
 
-The dense model is a LlamaForCausalLM (same math, tensors renamed: hf.py), or a Qwen2ForCausalLM when its q/k/v
-projections carry biases (an imported Qwen2); tied or untied embeddings and rope scaling carry over. A model whose every block is an
+The dense model is a LlamaForCausalLM (same math, tensors renamed: hf.py), a Qwen2ForCausalLM when its q/k/v
+projections carry biases (an imported Qwen2), or a Qwen3ForCausalLM with model.qk_norm; tied or untied embeddings and rope scaling carry over. A model whose every block is an
 MoE layer is a MixtralForCausalLM: Mixtral routes with softmax → top-k → renormalise over the chosen experts, which
 is what MoE does for top_k ≥ 2 without a selection bias; Mixtral is dropless, as MoE is at inference.
 
 Not exportable (ExportError says which): DRE routing (transformers has no Mixture-of-Depths model); MoE in only
 some blocks (Mixtral's blocks are all MoE); top_k = 1 (MoE weights the expert by its probability, Mixtral by 1);
-bias balancing (Mixtral chooses experts by probability alone); q/k/v biases with MoE (Mixtral has none).
+bias balancing (Mixtral chooses experts by probability alone); q/k/v biases or q/k norms with MoE (Mixtral has
+neither); q/k/v biases with q/k norms (Qwen3 has no biases).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PretrainedConfig,
-                          PreTrainedModel, Qwen2Config, Qwen2ForCausalLM)
+                          PreTrainedModel, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from ultrathink.io import atomic_dir
 from ultrathink.model.hf import hf_config_dict, hf_name
@@ -48,6 +49,10 @@ def incompatibilities(model: UltraThink) -> list[str]:
         problems.append("model.moe.bias_balancing: Mixtral chooses experts by router probability alone")
     if moe_layers(model) and cfg.qkv_bias:
         problems.append("model.qkv_bias with MoE: Mixtral's attention has no biases")
+    if moe_layers(model) and cfg.qk_norm:
+        problems.append("model.qk_norm with MoE: Mixtral's attention has no q/k norms")
+    if cfg.qk_norm and cfg.qkv_bias:
+        problems.append("model.qk_norm with model.qkv_bias: Qwen3 (q/k norms) has no q/k/v biases")
     return problems
 
 
@@ -61,6 +66,9 @@ def architecture(model: UltraThink) -> tuple[type[PreTrainedModel], PretrainedCo
             num_experts_per_tok=cfg.moe.top_k, router_jitter_noise=0.0)
     if cfg.qkv_bias:
         return Qwen2ForCausalLM, Qwen2Config(**common, intermediate_size=cfg.hidden, use_sliding_window=False)
+    if cfg.qk_norm:
+        return Qwen3ForCausalLM, Qwen3Config(**common, intermediate_size=cfg.hidden, attention_bias=False,
+                                             use_sliding_window=False)
     return LlamaForCausalLM, LlamaConfig(**common, intermediate_size=cfg.hidden)
 
 
@@ -82,7 +90,7 @@ def hf_state_dict(model: UltraThink) -> dict[str, torch.Tensor]:
 
 
 def to_hf(model: UltraThink) -> PreTrainedModel:
-    """The equivalent transformers model (Llama, Qwen2 or Mixtral) in the weights' dtype, in eval mode;
+    """The equivalent transformers model (Llama, Qwen2, Qwen3 or Mixtral) in the weights' dtype, in eval mode;
     ExportError if there is none."""
     problems = incompatibilities(model)
     if problems:

@@ -1,5 +1,6 @@
 """Hugging Face checkpoints of the Llama family, read as UltraThink models: Llama 2/3/3.1+ (rope_scaling llama3 or
-linear), Mistral, Qwen2/Qwen2.5 (biased q/k/v projections), SmolLM/SmolLM2 and TinyLlama; grouped-query attention,
+linear), Mistral, Qwen2/Qwen2.5 (biased q/k/v projections), Qwen3 (q/k norms; where its head_dim is
+hidden/heads), SmolLM/SmolLM2 and TinyLlama; grouped-query attention,
 tied or untied embeddings, any rope_theta.
 
 The math is the same (ultrathink/model/model.py follows LlamaForCausalLM), so reading one is a mapping of its
@@ -35,7 +36,8 @@ log = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-SUPPORTED = ("llama", "mistral", "qwen2")  # model_type values read
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")  # model_type values read
+SLIDING_SWITCH = ("qwen2", "qwen3")  # model types whose sliding_window applies only with use_sliding_window
 ROPE_TYPES = ("default", "llama3", "linear")
 
 # Our tensor names → transformers' (Llama, Mistral, Qwen2 and, for export, Mixtral), applied in this order.
@@ -61,7 +63,8 @@ def read_config(directory: str | Path) -> dict:
 
 
 def supported_line() -> str:
-    return (f"supported: model_type {', '.join(SUPPORTED)} (Llama 2/3/3.1+, Mistral, Qwen2/2.5, SmolLM, TinyLlama) "
+    return (f"supported: model_type {', '.join(SUPPORTED)} (Llama 2/3/3.1+, Mistral, Qwen2/2.5, Qwen3, SmolLM, "
+            "TinyLlama) "
             f"with hidden_act silu, rope types {', '.join(ROPE_TYPES)}")
 
 
@@ -80,7 +83,7 @@ def context_length(hf: dict) -> int:
     (UltraThink attends over the whole context, which equals a sliding window no wider than that context)."""
     context = int(hf.get("max_position_embeddings") or 2048)
     window = hf.get("sliding_window")
-    if hf.get("model_type") == "qwen2" and not hf.get("use_sliding_window", False):
+    if hf.get("model_type") in SLIDING_SWITCH and not hf.get("use_sliding_window", False):
         window = None
     if window and window < context:
         log.warning("%s: sliding_window %d is narrower than max_position_embeddings %d: the model's context is %d "
@@ -107,7 +110,7 @@ def problems(hf: dict) -> list[str]:
     _, scaling = rope_settings(hf)
     if scaling and scaling["type"] not in ROPE_TYPES:
         found.append(f"rope_scaling type {scaling['type']!r}: supported {', '.join(ROPE_TYPES)}")
-    if model_type == "qwen2" and hf.get("use_sliding_window") and hf.get("max_window_layers", 0) < hf.get(
+    if model_type in SLIDING_SWITCH and hf.get("use_sliding_window") and hf.get("max_window_layers", 0) < hf.get(
             "num_hidden_layers", 0):
         found.append("use_sliding_window with max_window_layers < num_hidden_layers: a window in only some layers")
     return found
@@ -127,7 +130,7 @@ def model_config(hf: dict, base: ModelConfig | None = None, source: str = "") ->
         n_kv_heads=kv_heads, ffn_hidden=hf["intermediate_size"], seq_len=context_length(hf), rope_theta=theta,
         rope_scaling=RopeScaling(**{k: v for k, v in scaling.items() if k in RopeScaling.model_fields})
         if scaling else None,
-        qkv_bias=hf["model_type"] == "qwen2", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=hf["model_type"] == "qwen2", qk_norm=hf["model_type"] == "qwen3", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         dropout=base.dropout if base else 0.0, init_std=base.init_std if base else hf.get("initializer_range", 0.02))
     return cfg, int(hf["vocab_size"])

@@ -1,10 +1,11 @@
 """The UltraThink decoder: a Llama-style stack, dense path.
 
-token embedding → N × [RMSNorm → grouped-query attention with RoPE → residual,
+token embedding → N × [RMSNorm → grouped-query attention (q/k RMSNorm, then RoPE) → residual,
                        RMSNorm → SwiGLU MLP → residual] → RMSNorm → tied output projection.
 
-The math follows Hugging Face's LlamaForCausalLM exactly (rotate-half RoPE, RMSNorm in fp32, SwiGLU), so an export
-to that format is a renaming of tensors and its logits match ours (ultrathink/model/export.py).
+The math follows Hugging Face's LlamaForCausalLM exactly (rotate-half RoPE, RMSNorm in fp32, SwiGLU), plus Qwen3's
+norms of each head's queries and keys (model.qk_norm, on by default), so an export to Qwen3ForCausalLM (or Llama,
+with qk_norm off) is a renaming of tensors and its logits match ours (ultrathink/model/export.py).
 
 Two optional sparse paths live in their own modules, plugged in through one interface (routing.py): `model.moe`
 turns some MLPs into mixtures of experts (moe.py), `model.dre` routes only some tokens through some blocks (dre.py).
@@ -125,6 +126,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.dropout = cfg.dropout
         self.kernel = AttentionKernel()  # which SDPA kernel (and, on a CPU under bf16, whether fp32): kernels.py
 
@@ -148,6 +151,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # the same rotation for every head
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
@@ -364,7 +369,8 @@ class UltraThink(nn.Module):
             return cls.from_hf(model_dir, dtype).to(target).eval()
         config = json.loads((model_dir / CONFIG_FILE).read_text())
         with torch.device("cpu"):  # built where the weights are read, whatever torch's default device, then moved
-            model = cls(ModelConfig(**config["model"]), config["vocab_size"])
+            # A config written before model.qk_norm existed describes a model without q/k norms.
+            model = cls(ModelConfig(**{"qk_norm": False, **config["model"]}), config["vocab_size"])
         model.load_state_dict(load_file(model_dir / WEIGHTS_FILE, device="cpu"))
         return model.to(device=target, dtype=dtype).eval()
 

@@ -119,8 +119,7 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.dtype, list[int
     return [(data_start + h["data_offsets"][0], data_start + h["data_offsets"][1]) for h in header.values()]
 
 
-# `alone`: this process saves or loads by itself, with no collective, even inside a multi-process run (a time
-# budget's probe on rank 0 checkpoints a throwaway model of its own while the other ranks wait).
+# `alone`: a one-process run, which saves and loads with no collective (no process group need exist).
 
 
 def _save(state: dict, writer, alone: bool) -> None:
