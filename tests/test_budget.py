@@ -99,6 +99,29 @@ def test_sizing_grows_with_compute_and_keeps_fixed_keys():
     assert 0.5e6 < tokens.non_embedding_params < 2e6
 
 
+def test_a_time_budget_sizes_by_each_shapes_own_seconds_per_token():
+    """A step's memory-bound share (per layer × width) makes deep narrow shapes dearer than their FLOPs say: with
+    it, the same seconds buy a wider, shallower model; more seconds never a smaller one; set keys still win."""
+    auto, peak = ModelConfig(size="auto"), 4.4e11
+    flop_only = sizing.StepCost(peak)
+    memory_bound = sizing.StepCost.fitted(peak, sizing.Shape(64, 2, 1, 1, 64), 900_000, 14e-6)
+    assert memory_bound.per_layer_width == pytest.approx((14e-6 - 900_000 / peak) / 128, rel=0.01)
+    shape = sizing.Shape(128, 1, 2, 1, 128)
+    assert memory_bound.seconds_per_token(shape, 1_700_000) == pytest.approx(
+        1_700_000 / peak + memory_bound.per_layer_width * 128)
+    plain, bound = (sizing.choose(auto, 512, 500_000, seconds=10, cost=c) for c in (flop_only, memory_bound))
+    assert plain.shape.n_layers > bound.shape.n_layers == 1
+    assert bound.shape.d_model / bound.shape.n_layers > plain.shape.d_model / plain.shape.n_layers
+    for cost in (flop_only, memory_bound):
+        chosen = [sizing.choose(auto, 512, 500_000, seconds=t, cost=cost) for t in (5, 10, 30, 120, 600, 3600)]
+        params = [c.params for c in chosen]
+        assert params == sorted(params) and params[-1] > 10 * params[0], params
+    fixed = sizing.choose(ModelConfig(size="auto", n_layers=3), 512, 500_000, seconds=30, cost=memory_bound)
+    assert fixed.shape.n_layers == 3
+    # A measured step faster than the peak allows leaves no memory-bound share, not a negative one.
+    assert sizing.StepCost.fitted(peak, shape, 1_700_000, 1e-9).per_layer_width == 0.0
+
+
 def test_a_near_tie_in_sizing_goes_to_the_cheaper_shape_whatever_the_measured_rate():
     """Rates 3% apart (a busy core) used to flip the shape between near-tied candidates; within TIE the cheaper
     shape wins, and the rate is rounded to 2 figures before sizing sees it."""

@@ -377,17 +377,20 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
         corpus = len(train_tokens)
         if budget.kind == "seconds":
             # First guess from the device's matmul peak at a typical small-model utilisation, then once more from
-            # the throughput measured on that guess (smaller models use a device less well).
-            rate = round_figures((peak or 1e11) * GUESS_UTILISATION * world_size)
+            # the step time measured on that guess: the peak's share of it and the rest, which grows with layers ×
+            # width (sizing.StepCost), so shapes that use the device better are seen to.
+            peak_rate = (peak or 1e11) * world_size
+            cost = sizing.StepCost(round_figures(peak_rate * GUESS_UTILISATION))
             for _ in range(2):
-                sized = sizing.choose(model_cfg, vocab_size, corpus, flops=rate * budget.amount,
+                sized = sizing.choose(model_cfg, vocab_size, corpus, seconds=budget.amount, cost=cost,
                                       batch_size=train_cfg.batch_size)
                 shaped = _sized(model_cfg, train_cfg, sized)
                 if probes and probes[-1][0] == (shaped[0], shaped[1].batch_size):
                     break
                 probes.append(((shaped[0], shaped[1].batch_size), measure(*shaped)))
                 tokens_per_step = shaped[1].batch_size * shaped[1].grad_accum * shaped[0].seq_len
-                rate = round_figures(sized.flops_per_token * tokens_per_step / probes[-1][1][2].step_seconds)
+                cost = sizing.StepCost.fitted(round_figures(peak_rate), sized.shape, sized.flops_per_token,
+                                              probes[-1][1][2].step_seconds / tokens_per_step)
         else:
             sized = sizing.choose(model_cfg, vocab_size, corpus, batch_size=train_cfg.batch_size,
                                   **{"flops" if budget.kind == "flops" else "tokens": budget.amount})

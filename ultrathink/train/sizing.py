@@ -7,8 +7,11 @@ The rule, in three steps:
    cost at most about a sixth of the weight FLOPs), clamped to [64, 2048]. Shape keys set in params.yaml win: only
    candidates that agree with them are considered.
 2. **Tokens each candidate can see**: the budget's FLOPs divided by the candidate's training FLOPs per token (the
-   model's own count, `UltraThink.flops_per_token`). A time budget becomes FLOPs at the throughput measured on this
-   machine (budget.py's probe).
+   model's own count, `UltraThink.flops_per_token`). A time budget divides its seconds by each candidate's seconds
+   per token (StepCost): its FLOPs at the device's matmul peak, plus a memory-bound share that grows with
+   layers × width, fitted to the step time measured on this machine (budget.py's probe). At a CPU's small widths
+   that share is most of a step, so one FLOP rate for every shape misjudged them: d128 × 1 layer ran 1.7× the FLOPs
+   of d64 × 2 layers in the same 10 s and was the better model on three corpora (benchmarks/README.md).
 3. **Predicted loss**, and the lowest wins (within TIE of it, the cheapest shape): Chinchilla's fit L(N, D) = E + A/N^α + B/D^β (Hoffmann et al. 2022,
    approach 3; N = non-embedding parameters), with D the *effective* tokens when the corpus repeats — each further
    epoch is worth less, with the decay Muennighoff et al. 2023 fitted (R* = 15.4). So a small corpus and a large
@@ -52,6 +55,25 @@ class Shape:
     n_heads: int
     n_kv_heads: int
     seq_len: int
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A training token's seconds at a shape: its FLOPs at the device's matmul `peak` (FLOP/s), plus
+    `per_layer_width` seconds for every layer × d_model — the memory-bound work (norms, rotary, activations,
+    the optimizer's passes) that does not shrink with the FLOPs."""
+    peak: float
+    per_layer_width: float = 0.0
+
+    def seconds_per_token(self, shape: Shape, flops_per_token: int) -> float:
+        return flops_per_token / self.peak + self.per_layer_width * shape.n_layers * shape.d_model
+
+    @classmethod
+    def fitted(cls, peak: float, shape: Shape, flops_per_token: int, seconds_per_token: float) -> "StepCost":
+        """The cost that reproduces a measured `seconds_per_token` at `shape` (2 significant figures, so timings a
+        few % apart give the same cost); none below the peak's share."""
+        rest = max(0.0, seconds_per_token - flops_per_token / peak) / (shape.n_layers * shape.d_model)
+        return cls(peak, float(f"{rest:.1e}"))
 
 
 @dataclass
@@ -142,9 +164,10 @@ def batch_for(tokens: float, seq_len: int) -> int:
 
 
 def choose(model_cfg, vocab_size: int, corpus_tokens: int, *, flops: float | None = None,
-           tokens: float | None = None, batch_size: int | None = None) -> Sizing:
-    """The shape for a budget of `flops` (compute) or `tokens`, on a corpus of `corpus_tokens` training tokens.
-    Shape keys of `model_cfg` that are set (not null) are kept."""
+           tokens: float | None = None, seconds: float | None = None, cost: StepCost | None = None,
+           batch_size: int | None = None) -> Sizing:
+    """The shape for a budget of `flops` (compute), `tokens`, or `seconds` at `cost`, on a corpus of
+    `corpus_tokens` training tokens. Shape keys of `model_cfg` that are set (not null) are kept."""
     fixed = {k: getattr(model_cfg, k) for k in SHAPE_KEYS if getattr(model_cfg, k) is not None}
     scored = []
     for shape in candidate_shapes(fixed):
@@ -153,7 +176,7 @@ def choose(model_cfg, vocab_size: int, corpus_tokens: int, *, flops: float | Non
             seen = tokens
             score = abs(math.log(non_embedding * TOKENS_PER_PARAM / tokens))
         else:
-            seen = flops / per_token
+            seen = flops / per_token if seconds is None else seconds / cost.seconds_per_token(shape, per_token)
             score = predicted_loss(non_embedding, seen, corpus_tokens)
         scored.append((score, shape, params, non_embedding, per_token, seen))
     if not scored:
