@@ -7,7 +7,9 @@ as raw text: `ultrathink eval` for ours, every character for the char-level base
 run it (`python -m tasks.<stage>` in a copy of this project, so validate, the tokenizer, prepare and train are the
 real stages: prepared once per corpus, then trained afresh for each budget and variant, with no checkpoint or plan
 of an earlier run). `--set` adds params to every run (e.g. --set train.precision=fp32); `--variant` names a further
-run per budget with its own params (e.g. --variant relu2=model.mlp=relu2), to compare ideas at equal wall-clock.
+run per budget with its own params (e.g. --variant qk=model.qk_norm=false), to compare ideas at equal wall-clock;
+a variant that sets data.*, tokenizer.* or prepare.* keys (e.g. tokenizer.vocab_size=1024) trains on a copy
+prepared with them.
 
 The baseline is nanoGPT's README CPU run of shakespeare_char, given the same seconds the way a user with this
 machine would set `max_iters`: its step is timed first and its iteration count (and so its cosine decay) fitted to
@@ -48,6 +50,7 @@ from ultrathink.train.engine import autocast  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+DATA_SIDE = ("data.", "tokenizer.", "prepare.")  # params a variant changes before training: its own prepared copy
 README_ITERATIONS, WARMUP = 2000, 100
 # The baseline's step is timed after WARM_UP iterations (the first ones build kernels and grow buffers: several
 # times slower) over TIMED more.
@@ -184,8 +187,16 @@ def run_corpus(corpus: str, args, tmp: Path) -> list[dict]:
     cut = int(len(text) * 0.9)
     name = Path(corpus).stem
     timed = next((b for b in args.budgets if not b.endswith("steps")), None)
-    project = prepared_project(tmp / name, text[:cut], timed, args.overrides)
-    held_out = tmp / name / "held_out.txt"
+    projects: dict[tuple, Path] = {}  # one prepared copy per set of data-side params (tokenizer.*, prepare.*, data.*)
+
+    def project_for(sets: list[str]) -> Path:
+        data_side = tuple(o for o in sets if o.startswith(DATA_SIDE))
+        if data_side not in projects:
+            projects[data_side] = prepared_project(tmp / name / str(len(projects)), text[:cut], timed,
+                                                   args.overrides + list(data_side))
+        return projects[data_side]
+
+    held_out = tmp / f"{name}-held_out.txt"
     held_out.write_text(text[cut:], encoding="utf-8")
     baseline = CharBaseline(text[:cut], text[cut:], precision_of(args.overrides))
     rows = []
@@ -193,7 +204,7 @@ def run_corpus(corpus: str, args, tmp: Path) -> list[dict]:
         base = None if args.skip_baseline else baseline.run(Budget.parse(args.match or budget).amount)
         for variant, sets in variants(args):
             for repeat in range(args.repeats):
-                ours = train_and_score(project, held_out, budget, args.overrides + sets)
+                ours = train_and_score(project_for(sets), held_out, budget, args.overrides + sets)
                 rows.append({"corpus": name, "bytes": len(text[:cut].encode()), "budget": budget, "variant": variant,
                              "repeat": repeat, "ours": ours, "baseline": base})
                 print(row_line(rows[-1]), flush=True)
