@@ -265,8 +265,8 @@ class ModelConfig(Section):
                           "layout; exported as Qwen3): measured better at equal wall-clock on every corpus "
                           "(benchmarks/README.md); false: Llama's attention")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on attention and on each block's two outputs. "
-                           "Off by default: at equal wall-clock it lost on every corpus measured (it slows a CPU step "
-                           "by ~25% and a short run does not overfit; benchmarks/README.md)")
+                           "Off by default: at equal wall-clock it lost on every corpus measured (it slowed a CPU step "
+                           "by 41% and a short run does not overfit; benchmarks/README.md)")
     init_std: float = Field(0.02, gt=0)
     moe: MoEConfig = MoEConfig()
     dre: DREConfig = DREConfig()
