@@ -55,8 +55,9 @@ def test_optimizer_state_comes_from_a_checkpoint_of_the_same_optimizer(trained, 
 def test_another_architecture_fails_naming_the_tensors(trained, tmp_path):
     parent = find_parent(tmp_path / "model", "artifacts/model")
     wider = UltraThink(MODEL.model_copy(update={"d_model": 48}), VOCAB)
-    with pytest.raises(WarmStartError, match=r"shapes differ \(parent vs this run\): blocks.0.attn.k_proj.weight "
-                                             r"\(16, 32\) vs \(24, 48\), .* and 16 more"):
+    with pytest.raises(WarmStartError, match=r"shapes differ \(parent vs this run\): blocks.0.attn.k_norm.weight "
+                                             r"\(16,\) vs \(24,\), blocks.0.attn.k_proj.weight \(16, 32\) vs "
+                                             r"\(24, 48\), .* and 20 more"):
         load_parent_weights(parent, wider, None)
     deeper = UltraThink(MODEL.model_copy(update={"n_layers": 3}), VOCAB)
     with pytest.raises(WarmStartError, match=r"tensors missing from the parent: blocks\.2\."):
