@@ -102,7 +102,8 @@ def served(project: Path, uri: str):
                 time.sleep(0.5)
         yield url
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
+        if server.poll() is None:  # a server that died shows its own error above, not a failed kill
+            os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
 
 
