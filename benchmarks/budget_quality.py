@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -44,8 +45,9 @@ from budget_accuracy import prepared_project  # noqa: E402
 from reference_gpt import GPT  # noqa: E402
 from tests.e2e_helpers import sh  # noqa: E402
 
-from ultrathink.config import Budget  # noqa: E402
+from ultrathink.config import Budget, ModelConfig  # noqa: E402
 from ultrathink.registry.models import evaluate_text_file  # noqa: E402
+from ultrathink.train import sizing  # noqa: E402
 from ultrathink.train.engine import autocast  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,20 +67,19 @@ def train_and_score(project: Path, held_out: Path, budget: str, overrides: list[
     limit = (["train.budget=null", f"train.max_steps={budget.removesuffix('steps')}"] if budget.endswith("steps")
              else [f"train.budget={budget}"])
     done = sh([sys.executable, "-m", "tasks.train", *sum((["--set", o] for o in limit + overrides), [])], project)
-    sizing = next((line for line in (done.stdout + done.stderr).splitlines() if "model.size auto:" in line), "")
+    sizing_line = next((line for line in (done.stdout + done.stderr).splitlines() if "model.size auto:" in line), "")
     summary = json.loads((project / "artifacts" / "model" / "train_summary.json").read_text())
     scored = evaluate_text_file(str(project / "artifacts" / "model"), held_out, "paragraph", root=project,
                                 tokenizer_dir=project / "artifacts" / "tokenizer").to_dict()
     seconds = json.loads((project / "reports" / "train_run.json").read_text())["seconds"]
     config = json.loads((project / "artifacts" / "model" / "config.json").read_text())
-    model = config["model"]
+    model = ModelConfig(**config["model"])
+    shape = sizing.Shape(*(getattr(model, k) for k in sizing.SHAPE_KEYS))
+    _, non_embedding, _ = sizing.counts(shape, model, config["vocab_size"])
     return {"bpb": scored["bits_per_byte"], "steps": summary["steps"], "seconds": seconds,
-            "params": summary["params"], "vocab": config["vocab_size"],
-            "non_embedding_params": summary["params"] - config["vocab_size"] * model["d_model"] * (
-                1 if model["tie_embeddings"] else 2),
-            "tokens": summary["steps"] * summary["plan"]["tokens_per_step"],
-            "shape": {k: model[k] for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "seq_len")},
-            "sizing": sizing.split("model.size auto:")[-1].split(" — ")[0].strip()}
+            "params": summary["params"], "vocab": config["vocab_size"], "non_embedding_params": non_embedding,
+            "tokens": summary["steps"] * summary["plan"]["tokens_per_step"], "shape": asdict(shape),
+            "sizing": sizing_line.split("model.size auto:")[-1].split(" — ")[0].strip()}
 
 
 class CharBaseline:

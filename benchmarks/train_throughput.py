@@ -52,7 +52,7 @@ def ultrathink_step(workdir: Path, compile: bool, model_keys: dict | None = None
     tokens = np.random.default_rng(0).integers(0, VOCAB, 200_000).astype(np.uint16)
     torch.manual_seed(0)
     model = UltraThink(cfg, VOCAB)
-    name = f"bench-{compile}-{len(model_keys or {})}"
+    name = "-".join(["bench", str(compile), *(f"{k}={v}" for k, v in (model_keys or {}).items())])
     trainer = Trainer(build_engine(ready_model(model, settings, None, Distributed()), settings, Distributed()), TokenWindows(tokens, cfg.seq_len, BATCH, seed=0), tokens[:10_000], settings,
                       CheckpointManager(workdir / name, Fingerprint(name, "bench", "bench"), 1, 1))
     return trainer.train_step, model

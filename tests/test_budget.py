@@ -125,7 +125,7 @@ def test_a_time_budget_sizes_by_each_shapes_own_seconds_per_token():
 def test_a_near_tie_in_sizing_goes_to_the_cheaper_shape_whatever_the_measured_rate():
     """Rates 3% apart (a busy core) used to flip the shape between near-tied candidates; within TIE the cheaper
     shape wins, and the rate is rounded to 2 figures before sizing sees it."""
-    from ultrathink.train.plan import round_figures
+    from ultrathink.train.sizing import round_figures
 
     auto = ModelConfig(size="auto", dropout=0.0)
     shapes = {sizing.choose(auto, 4096, 400_000, flops=round_figures(rate) * 120).shape

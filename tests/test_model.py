@@ -50,6 +50,23 @@ def test_qk_norm_normalises_each_head_and_matches_qwen3():
         assert (plain(ids).logits - model(ids).logits).abs().max() > 1e-3
 
 
+def test_a_model_saved_before_qk_norm_existed_loads_as_it_was_trained(tmp_path):
+    """A config.json written before model.qk_norm (a registered champion, a user's model dir) has no such key: it is
+    a model without q/k norms, though they are on by default now."""
+    import json
+
+    model = tiny()
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["model"]["qk_norm"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert ModelConfig(**config["model"]).qk_norm  # the default would build the other architecture
+    loaded = UltraThink.from_pretrained(tmp_path)
+    ids = torch.randint(0, VOCAB, (2, 20))
+    with torch.no_grad():
+        assert not loaded.cfg.qk_norm and torch.equal(loaded(ids).logits, model(ids).logits)
+
+
 def test_causal_later_tokens_do_not_change_earlier_logits():
     model = tiny()
     x = torch.randint(0, VOCAB, (1, 30))

@@ -62,6 +62,13 @@ def test_another_architecture_fails_naming_the_tensors(trained, tmp_path):
     deeper = UltraThink(MODEL.model_copy(update={"n_layers": 3}), VOCAB)
     with pytest.raises(WarmStartError, match=r"tensors missing from the parent: blocks\.2\."):
         load_parent_weights(parent, deeper, None)
+    # A model saved before q/k norms were the default: the error says which key makes this run match it.
+    plain = UltraThink(MODEL.model_copy(update={"qk_norm": False}), VOCAB)
+    with pytest.raises(WarmStartError, match=r"tensors this model lacks: .*q_norm.*set model.qk_norm: true\)"):
+        load_parent_weights(parent, plain, None)
+    plain.save_pretrained(tmp_path / "plain")
+    with pytest.raises(WarmStartError, match=r"missing from the parent: .*k_norm.*set model.qk_norm: false\)"):
+        load_parent_weights(find_parent(tmp_path / "plain", "old"), UltraThink(MODEL, VOCAB), None)
 
 
 def test_another_tokenizer_fails_naming_the_vocabulary(trained, tmp_path):

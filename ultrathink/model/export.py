@@ -2,9 +2,10 @@
 hf/ artifact).
 
 The dense model is a LlamaForCausalLM (same math, tensors renamed: hf.py), a Qwen2ForCausalLM when its q/k/v
-projections carry biases (an imported Qwen2), or a Qwen3ForCausalLM with model.qk_norm; tied or untied embeddings and rope scaling carry over. A model whose every block is an
-MoE layer is a MixtralForCausalLM: Mixtral routes with softmax → top-k → renormalise over the chosen experts, which
-is what MoE does for top_k ≥ 2 without a selection bias; Mixtral is dropless, as MoE is at inference.
+projections carry biases (an imported Qwen2), or a Qwen3ForCausalLM with model.qk_norm; tied or untied embeddings
+and rope scaling carry over. A model whose every block is an MoE layer is a MixtralForCausalLM: Mixtral routes
+with softmax → top-k → renormalise over the chosen experts, which is what MoE does for top_k ≥ 2 without a
+selection bias; Mixtral is dropless, as MoE is at inference.
 
 Not exportable (ExportError says which): DRE routing (transformers has no Mixture-of-Depths model); MoE in only
 some blocks (Mixtral's blocks are all MoE); top_k = 1 (MoE weights the expert by its probability, Mixtral by 1);

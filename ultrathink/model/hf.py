@@ -130,7 +130,8 @@ def model_config(hf: dict, base: ModelConfig | None = None, source: str = "") ->
         n_kv_heads=kv_heads, ffn_hidden=hf["intermediate_size"], seq_len=context_length(hf), rope_theta=theta,
         rope_scaling=RopeScaling(**{k: v for k, v in scaling.items() if k in RopeScaling.model_fields})
         if scaling else None,
-        qkv_bias=hf["model_type"] == "qwen2", qk_norm=hf["model_type"] == "qwen3", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=hf["model_type"] == "qwen2", qk_norm=hf["model_type"] == "qwen3",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         dropout=base.dropout if base else 0.0, init_std=base.init_std if base else hf.get("initializer_range", 0.02))
     return cfg, int(hf["vocab_size"])

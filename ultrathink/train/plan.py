@@ -36,7 +36,7 @@ from ultrathink.train.budget import Probe, compile_pays, probe_shape, steps_for,
 from ultrathink.train import sizing
 from ultrathink.train.engine import autocast_dtype
 from ultrathink.train.precision import matmul_gflops, peak_flops
-from ultrathink.train.sizing import Sizing
+from ultrathink.train.sizing import Sizing, round_figures
 
 log = logging.getLogger(__name__)
 
@@ -340,11 +340,6 @@ def plan_on_main(dist, decide: Callable[[], Decided], probes: RankProbes | None 
         return decided
     message = probes.follow() if probes else dist.share(None)
     return Decided(Plan.from_dict(message["plan"]), message["measured"], {}, None, "")
-
-
-def round_figures(value: float, figures: int = 2) -> float:
-    """A measured rate to 2 significant figures: sizing then sees the same number from timings a few % apart."""
-    return float(f"{value:.{figures - 1}e}")
 
 
 def other_class_line(plan: Plan, others: dict[str, Plan]) -> str:

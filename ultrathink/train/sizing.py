@@ -57,6 +57,11 @@ class Shape:
     seq_len: int
 
 
+def round_figures(value: float, figures: int = 2) -> float:
+    """A measured rate to 2 significant figures: sizing then sees the same number from timings a few % apart."""
+    return float(f"{value:.{figures - 1}e}")
+
+
 @dataclass(frozen=True)
 class StepCost:
     """A training token's seconds at a shape: its FLOPs at the device's matmul `peak` (FLOP/s), plus
@@ -73,7 +78,7 @@ class StepCost:
         """The cost that reproduces a measured `seconds_per_token` at `shape` (2 significant figures, so timings a
         few % apart give the same cost); none below the peak's share."""
         rest = max(0.0, seconds_per_token - flops_per_token / peak) / (shape.n_layers * shape.d_model)
-        return cls(peak, float(f"{rest:.1e}"))
+        return cls(peak, round_figures(rest))
 
 
 @dataclass

@@ -151,7 +151,18 @@ def _check_tensors(parent: Parent, weights: dict[str, torch.Tensor], expected: d
         ("shapes differ (parent vs this run)", shapes), ("tensors missing from the parent", missing),
         ("tensors this model lacks", unexpected)) if items]
     if problems:
-        raise WarmStartError(f"train.init_from: {parent.ref} does not fit model.* of this run: {'; '.join(problems)}")
+        raise WarmStartError(f"train.init_from: {parent.ref} does not fit model.* of this run: {'; '.join(problems)}"
+                             f"{_qk_norm_hint(missing, unexpected)}")
+
+
+def _qk_norm_hint(missing: list[str], unexpected: list[str]) -> str:
+    """Models saved before q/k norms became the default have none: say which key makes this run match them."""
+    norms = ("q_norm.weight", "k_norm.weight")
+    if missing and all(n.endswith(norms) for n in missing):
+        return " (the parent has no q/k norms: set model.qk_norm: false)"
+    if unexpected and all(n.endswith(norms) for n in unexpected):
+        return " (the parent has q/k norms: set model.qk_norm: true)"
+    return ""
 
 
 def _first(items: list[str], show: int = 4) -> str:
