@@ -53,7 +53,8 @@ def ultrathink_step(workdir: Path, compile: bool, model_keys: dict | None = None
     torch.manual_seed(0)
     model = UltraThink(cfg, VOCAB)
     name = "-".join(["bench", str(compile), *(f"{k}={v}" for k, v in (model_keys or {}).items())])
-    trainer = Trainer(build_engine(ready_model(model, settings, None, Distributed()), settings, Distributed()), TokenWindows(tokens, cfg.seq_len, BATCH, seed=0), tokens[:10_000], settings,
+    engine = build_engine(ready_model(model, settings, None, Distributed()), settings, Distributed())
+    trainer = Trainer(engine, TokenWindows(tokens, cfg.seq_len, BATCH, seed=0), tokens[:10_000], settings,
                       CheckpointManager(workdir / name, Fingerprint(name, "bench", "bench"), 1, 1))
     return trainer.train_step, model
 
@@ -129,8 +130,12 @@ def main() -> None:
         mfu = f"  MFU {flops * tokens / seconds / peak:5.1%}" if peak else ""
         print(f"  {name:<20} {seconds * 1e3:7.1f} ms/step {tokens / seconds:9,.0f} tok/s{mfu}")
     rate = {n: tokens / s for n, s in best.items()}
+    # Issue 27's goals: ≥ 1.0× GPT-2 eager to eager, ≥ 1.25× compiled to compiled; an earlier one's: 1.5× HF Llama.
     for ours in [n for n in rate if n.startswith("ultrathink")]:
-        for ref, goal in (("gpt2_ref", 1.25), ("gpt2_ref+compile", None), ("hf_llama", 1.5)):
+        compiled = ours.endswith("+compile")
+        goals = {"gpt2_ref": None if compiled else 1.0, "gpt2_ref+compile": 1.25 if compiled else None,
+                 "hf_llama": 1.5}
+        for ref, goal in goals.items():
             if ref in rate:
                 print(f"  {ours} / {ref}: {rate[ours] / rate[ref]:.2f}x" + (f" (goal ≥ {goal}x)" if goal else ""))
 
