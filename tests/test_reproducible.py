@@ -71,3 +71,13 @@ def test_deleting_the_recorded_plan_measures_again(trained_project, tmp_path):
     (key,) = remade[machine]["plans"]  # this configuration's plan again (the book also had the shipped default's)
     assert key in entry["plans"]
     assert remade[machine]["matmul_gflops"].keys() == {"fp32", "bf16"}
+
+
+def test_python_bytecode_beside_the_code_leaves_the_pipeline_up_to_date(trained_project, tmp_path):
+    """Any import writes __pycache__/ into the code directories stages depend on (ultrathink/train, ...), with
+    this machine's source mtimes inside: DVC must not hash them, or a dvc.lock from elsewhere never matches."""
+    project = copy_project(trained_project, tmp_path)
+    sh([sys.executable, "-m", "compileall", "-q", "ultrathink", "tasks"], project)
+    assert list((project / "ultrathink/train/__pycache__").glob("*.pyc"))
+    status = sh(["dvc", "status", "train", "finetune"], project)
+    assert "up to date" in status.stdout, status.stdout
