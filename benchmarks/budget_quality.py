@@ -74,7 +74,7 @@ def train_and_score(project: Path, held_out: Path, budget: str, overrides: list[
     seconds = json.loads((project / "reports" / "train_run.json").read_text())["seconds"]
     config = json.loads((project / "artifacts" / "model" / "config.json").read_text())
     model = ModelConfig(**config["model"])
-    shape = sizing.Shape(*(getattr(model, k) for k in sizing.SHAPE_KEYS))
+    shape = sizing.Shape.of(model)
     _, non_embedding, _ = sizing.counts(shape, model, config["vocab_size"])
     return {"bpb": scored["bits_per_byte"], "steps": summary["steps"], "seconds": seconds,
             "params": summary["params"], "vocab": config["vocab_size"], "non_embedding_params": non_embedding,

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 from transformers import LlamaForCausalLM, Qwen3ForCausalLM
@@ -53,8 +55,6 @@ def test_qk_norm_normalises_each_head_and_matches_qwen3():
 def test_a_model_saved_before_qk_norm_existed_loads_as_it_was_trained(tmp_path):
     """A config.json written before model.qk_norm (a registered champion, a user's model dir) has no such key: it is
     a model without q/k norms, though they are on by default now."""
-    import json
-
     model = tiny()
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())

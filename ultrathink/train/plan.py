@@ -391,8 +391,7 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
                                   **{"flops" if budget.kind == "flops" else "tokens": budget.amount})
         model_cfg, train_cfg = _sized(model_cfg, train_cfg, sized)
     tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * model_cfg.seq_len  # the global batch
-    flops_per_token = sizing.counts(sizing.Shape(*(getattr(model_cfg, k) for k in sizing.SHAPE_KEYS)),
-                                    model_cfg, vocab_size)[2]
+    flops_per_token = sizing.counts(sizing.Shape.of(model_cfg), model_cfg, vocab_size)[2]
     measured = None
     if budget is not None and (budget.kind == "seconds" or train_cfg.compile == "auto"):
         if not probes:

@@ -56,6 +56,11 @@ class Shape:
     n_kv_heads: int
     seq_len: int
 
+    @classmethod
+    def of(cls, model_cfg) -> "Shape":
+        """The shape a (fully sized) ModelConfig has."""
+        return cls(**{k: getattr(model_cfg, k) for k in SHAPE_KEYS})
+
 
 def round_figures(value: float, figures: int = 2) -> float:
     """A measured rate to 2 significant figures: sizing then sees the same number from timings a few % apart."""
