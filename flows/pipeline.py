@@ -3,7 +3,7 @@
 The stage list comes from dvc.yaml (ultrathink.pipeline.stage_order), and each stage runs through DVC
 (`dvc repro --single-item <stage>`), so DVC still decides what is stale, records dvc.lock, and skips what is
 unchanged: after a flow run `dvc status` is clean. Prefect adds the run page, logs, a markdown summary, and retries
-for the stages where a retry is safe: promote and promote_finetuned, whose registration is idempotent (the same run
+for the stages where a retry is safe: promote, promote_finetuned and promote_aligned, whose registration is idempotent (the same run
 and weights are the same registered version) and whose alias move is a locked compare-and-set, so a store hiccup (SQLite busy, a server
 restart) does not fail a nightly run. Other stages are not retried: a failure there is the data's or the code's, and
 running it again would fail the same way. Prefect's own result cache stays off: two caches that can disagree are
@@ -26,7 +26,7 @@ from ultrathink.pipeline import stage_order
 
 
 # Stages safe to retry, with how many retries (see the module docstring).
-RETRIES = {"promote": 2, "promote_finetuned": 2}
+RETRIES = {"promote": 2, "promote_finetuned": 2, "promote_aligned": 2}
 RETRY_DELAY_SECONDS = 10
 
 
@@ -60,7 +60,8 @@ def summary_markdown(results: list[dict], root: Path, params) -> str:
     lines += [f"| {r['stage']} | {'yes' if r['ran'] else 'skipped'} | {r['seconds']} |" for r in results]
     p = params.paths
     for title, path in (("Metrics", p.metrics), ("Promotion", p.promotion), ("Fine-tuning", p.finetune_report),
-                        ("Fine-tuned promotion", p.finetune_promotion)):
+                        ("Fine-tuned promotion", p.finetune_promotion), ("Alignment", p.align_report),
+                        ("Aligned promotion", p.align_promotion)):
         file = root / path
         if file.exists():
             rows = flat_rows(json.loads(file.read_text()))
@@ -71,8 +72,9 @@ def summary_markdown(results: list[dict], root: Path, params) -> str:
 
 @flow(name="ultrathink-pipeline", log_prints=True)
 def pipeline(root: str = ".") -> list[dict]:
-    """validate → tokenizer → prepare → train → evaluate → promote → finetune → promote_finetuned (the last two do
-    something only with finetune.enabled), each only if stale. A failed stage fails the flow, so nothing after it
+    """validate → tokenizer → prepare → train → evaluate → promote → finetune → promote_finetuned → align →
+    promote_aligned (finetune's two do something only with finetune.enabled, align's with align.enabled), each only
+    if stale. A failed stage fails the flow, so nothing after it
     (promotion included) runs."""
     params = load_params(Path(root) / "params.yaml")  # bad params fail here, before any work
     results = [reproduce.with_options(retries=RETRIES.get(name, 0), retry_delay_seconds=RETRY_DELAY_SECONDS)(name, root)

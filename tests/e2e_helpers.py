@@ -83,7 +83,7 @@ def train_baseline(tmp: Path) -> Path:
     project = make_project(tmp)
     first = sh(["dvc", "repro"], project)
     assert ran_stages(first.stdout) == ["validate", "tokenizer", "prepare", "train", "evaluate", "promote", "finetune",
-                                       "promote_finetuned"]
+                                       "promote_finetuned", "align", "promote_aligned"]
     sh(["git", "add", "-A"], project)
     sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline run"], project)
     return project

@@ -40,7 +40,8 @@ def project(trained_project, tmp_path_factory) -> Path:
     (project / FINETUNE["data"]).write_text("".join(json.dumps(pair) + "\n" for pair in PAIRS))
     set_params(project, {"finetune": FINETUNE})
     done = sh(["dvc", "repro"], project)
-    assert ran_stages(done.stdout) == ["finetune", "promote_finetuned"]
+    # align (off) follows the fine-tuned champion: it records again that it is off.
+    assert ran_stages(done.stdout) == ["finetune", "promote_finetuned", "align"]
     return project
 
 
@@ -150,7 +151,7 @@ def test_a_worse_fine_tune_is_registered_but_the_chat_champion_stays(changed):
     project = changed
     set_params(project, {"finetune": {**FINETUNE, "max_steps": 2, "warmup_steps": 1, "eval_every": 2, "lr": 1e-4}})
     done = sh(["dvc", "repro"], project)
-    assert ran_stages(done.stdout) == ["finetune", "promote_finetuned"]
+    assert ran_stages(done.stdout) == ["finetune", "promote_finetuned", "align"]
     decision = report(project, "finetune_promotion.json")
     assert decision["version"] == 2 and not decision["promoted"]
     # The champion was scored on the challenger's held-out pairs under its own code and chat tokenizer: the same
@@ -174,3 +175,73 @@ def test_bad_pairs_stop_at_the_gate_and_register_nothing(changed):
     assert "Fine-tuning pairs validation FAILED" in log and "1 of 31 responses are empty or blank" in log
     assert "line 31" in log
     assert len(client_for(project).search_model_versions("name='ultrathink-chat'")) == before
+
+
+# Alignment on top of the chat champion: every box's chosen answer is green, its rejected one red — the colour
+# fine-tuning taught, so before alignment the model's likelihood prefers the rejected answer on every held-out pair.
+PREFERENCES = [{"prompt": f"What colour is box {i}?", "chosen": f"Box {i} is green.", "rejected": f"Box {i} is red."}
+               for i in range(240)]
+# 100 steps at lr 0.01, β 0.1 turned every held-out pair (bf16, AMD Zen 4); β 0.5 or 40 steps halved the likelihood
+# gap (−14 → −1.8 nats) without turning it.
+ALIGN = {"enabled": True, "data": "data/align/boxes.jsonl", "max_steps": 100, "batch_size": 8, "warmup_steps": 2,
+         "eval_every": 50, "lr": 0.01, "beta": 0.1, "samples": 2}
+
+
+@pytest.fixture(scope="module")
+def aligned(project, tmp_path_factory) -> Path:
+    """The fine-tuned project (ultrathink-chat v1 is champion) after `dvc repro` with alignment switched on."""
+    project = copy_project(project, tmp_path_factory.mktemp("align"))
+    (project / ALIGN["data"]).write_text("".join(json.dumps(pair) + "\n" for pair in PREFERENCES))
+    set_params(project, {"align": ALIGN})
+    done = sh(["dvc", "repro"], project)
+    assert ran_stages(done.stdout) == ["align", "promote_aligned"]
+    return project
+
+
+def test_dpo_turns_the_held_out_preference_and_becomes_the_aligned_champion(aligned):
+    metrics = report(aligned, "align.json")
+    # Before: fine-tuning's red is the likelier answer on every held-out pair. After: green, on (nearly) all.
+    assert metrics["align_likelihood_accuracy_before"] == 0.0 and metrics["align_likelihood_accuracy"] >= 0.8, metrics
+    assert metrics["align_reward_accuracy"] >= 0.9 and metrics["align_reward_margin"] > 1.0
+    assert metrics["align_preference_bits"] < metrics["align_preference_bits_before"] - 5.0
+    assert metrics["align_heldout_pairs"] > 10 and metrics["base_model"] == "models:/ultrathink-chat/1"
+    assert {"well-formed rows", "chosen differs from rejected", "row count"} <= {r["name"] for r in metrics["gate"]["results"]}
+    assert len(metrics["samples"]) == 2 and all({"prompt", "chosen", "before", "after"} <= s.keys() for s in metrics["samples"])
+    decision = report(aligned, "align_promotion.json")
+    assert decision["promoted"] and decision["model_name"] == "ultrathink-aligned" and decision["version"] == 1
+    assert decision["metric"] == "heldout_preference_bits"
+    assert decision["value"] == pytest.approx(metrics["align_preference_bits"])
+    client = client_for(aligned)
+    version = client.get_model_version_by_alias("ultrathink-aligned", "champion")
+    status = json.loads((aligned / "artifacts/aligned/align.json").read_text())
+    assert version.tags["base_model"] == "models:/ultrathink-chat/1"
+    assert version.tags["data_hash"] == status["data_hash"] and version.tags["fingerprint"] == status["fingerprint"]
+    run = client.get_run(version.run_id)
+    assert run.data.metrics["align_reward_accuracy"] == metrics["align_reward_accuracy"]
+    assert run.data.params["align.loss"] == "sigmoid"
+    assert int(client.get_model_version_by_alias("ultrathink-chat", "champion").version) == 1  # fine-tuning's untouched
+    assert "up to date" in sh(["dvc", "status"], aligned).stdout
+
+
+def test_a_worse_alignment_is_registered_but_the_aligned_champion_stays(aligned, tmp_path):
+    project = copy_project(aligned, tmp_path)
+    set_params(project, {"align": {**ALIGN, "max_steps": 2, "warmup_steps": 0, "lr": 1e-4}})
+    done = sh(["dvc", "repro"], project)
+    assert ran_stages(done.stdout) == ["align", "promote_aligned"]
+    decision = report(project, "align_promotion.json")
+    assert decision["version"] == 2 and not decision["promoted"] and decision["previous_champion_version"] == 1
+    assert decision["value"] > decision["previous_value"]
+    assert int(client_for(project).get_model_version_by_alias("ultrathink-aligned", "champion").version) == 1
+
+
+def test_bad_preferences_stop_at_the_gate_and_register_nothing(aligned, tmp_path):
+    project = copy_project(aligned, tmp_path)
+    rows = PREFERENCES[:30] + [{"prompt": "q", "chosen": "same", "rejected": "same"}]
+    (project / "data/align/bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    set_params(project, {"align": {**ALIGN, "data": "data/align/bad.jsonl"}})
+    failed = sh(["dvc", "repro"], project, check=False)
+    assert failed.returncode != 0 and ran_stages(failed.stdout) == ["align"]
+    log = " ".join((failed.stdout + failed.stderr).split())
+    assert "Preference pairs validation FAILED" in log and "1 of 31 rows have the same chosen and rejected" in log
+    assert "line 31" in log
+    assert len(client_for(project).search_model_versions("name='ultrathink-aligned'")) == 1

@@ -37,7 +37,7 @@ def project(tmp_path_factory):
     sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "open model"], project)
     done = sh(["dvc", "repro"], project)
     assert ran_stages(done.stdout) == ["validate", "tokenizer", "prepare", "train", "evaluate", "promote",
-                                       "finetune", "promote_finetuned"]
+                                       "finetune", "promote_finetuned", "align", "promote_aligned"]
     # Run it again: the open model under models/ is a dependency whose hash holds still, so nothing re-runs.
     assert "up to date" in sh(["dvc", "status"], project).stdout
     return project

@@ -48,7 +48,8 @@ def test_worse_moe_model_reruns_only_downstream_and_keeps_champion(repro_project
     set_params(repro_project, {"model": {"d_model": 16, "moe": {"enabled": True, "every": 1}},
                                "train": {"max_steps": 2, "warmup_steps": 1}})
     done = sh(["dvc", "repro"], repro_project)
-    assert ran_stages(done.stdout) == ["train", "evaluate", "promote", "finetune"]
+    # finetune and align (both off) take train.* (they train with its optimizer and precision): they run again.
+    assert ran_stages(done.stdout) == ["train", "evaluate", "promote", "finetune", "align"]
     assert "moe=[entropy=" in done.stdout + done.stderr
     decision = json.loads((repro_project / "reports/promotion.json").read_text())
     assert decision["version"] == 2 and not decision["promoted"]
@@ -65,7 +66,7 @@ def test_dvc_experiment_turns_on_the_reasoning_engine(repro_project):
     knobs = ["train.lr=0.02", "train.max_steps=3", "model.moe.enabled=false", "model.dre.enabled=true",
              "model.dre.every=1", "model.dre.warmup_steps=1"]
     done = sh(["dvc", "exp", "run", *[arg for knob in knobs for arg in ("-S", knob)]], repro_project)
-    assert ran_stages(done.stdout) == ["train", "evaluate", "promote", "finetune"]
+    assert ran_stages(done.stdout) == ["train", "evaluate", "promote", "finetune", "align"]
     assert "dre=[path=standard,kept=" in done.stdout + done.stderr
     assert yaml.safe_load((repro_project / "params.yaml").read_text())["train"]["lr"] == 0.02
     assert len(sh(["dvc", "exp", "list", "--name-only"], repro_project).stdout.split()) == 1

@@ -60,8 +60,9 @@ def test_a_code_change_retrains_and_never_publishes_the_old_weights(project):
     assert edited != source, "the rotary line to edit was not found"
     model_py.write_text(edited)
     done = sh(["dvc", "repro"], project)
-    # Every stage that runs the model's code: promote_finetuned scores chat models with it.
-    assert ran_stages(done.stdout) == ["train", "evaluate", "promote", "finetune", "promote_finetuned"]
+    # Every stage that runs the model's code: promote_finetuned and promote_aligned score chat models with it.
+    assert ran_stages(done.stdout) == ["train", "evaluate", "promote", "finetune", "promote_finetuned", "align",
+                                       "promote_aligned"]
     log = done.stdout + done.stderr
     assert "not resuming from" in log and "made with other code" in log
     summary = json.loads((project / "artifacts/model/train_summary.json").read_text())
@@ -123,7 +124,7 @@ def test_warm_start_from_the_champion_beats_a_cold_start_at_equal_steps(project)
     cold = metrics(project)["val_loss"]  # the baseline: STEPS steps from a random init
     champion = client_for(project).get_model_version_by_alias("ultrathink", "champion")
     done = sh(["dvc", "exp", "run", "-S", "train.init_from=models:/ultrathink@champion"], project)
-    assert ran_stages(done.stdout) == ["train", "evaluate", "promote", "finetune"]
+    assert ran_stages(done.stdout) == ["train", "evaluate", "promote", "finetune", "align"]
     assert "warm start from models:/ultrathink@champion" in done.stderr
     warm = metrics(project)["val_loss"]
     assert warm < cold - 0.05, (warm, cold)

@@ -64,7 +64,8 @@ def test_dvc_repro_trains_and_fine_tunes_on_the_ranks_params_ask_for_and_a_faili
                                       "eval_every": 3, "samples": 1}})
     done = dvc(project, "repro")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert ran_stages(done.stdout) == ["train", "evaluate", "promote", "finetune", "promote_finetuned"]
+    # align (off) follows the fine-tuned champion; its output, "off", is unchanged, so promote_aligned is not run.
+    assert ran_stages(done.stdout) == ["train", "evaluate", "promote", "finetune", "promote_finetuned", "align"]
     summary = json.loads((project / "artifacts/model/train_summary.json").read_text())
     assert (summary["world_size"], summary["backend"], summary["steps"]) == (2, "ddp", steps + 20)
     finetuned = json.loads((project / "artifacts/finetuned/finetune.json").read_text())

@@ -22,7 +22,7 @@ from ultrathink.model import UltraThink
 from ultrathink.model.generate import generate_text
 from ultrathink.scoring import (TextScore, answer_bytes, bits_per_byte, encode_documents, score_documents,  # noqa: F401
                                 score_stream)
-from ultrathink.text_eval import ModelFiles, score_model
+from ultrathink.text_eval import ModelFiles, score_model, score_pairs
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,32 @@ class ChatYardstick(Yardstick):
         return answer_bytes(self.documents)
 
 
+@dataclass(frozen=True)
+class PreferenceYardstick(Yardstick):
+    """Held-out preference pairs that aligned models are compared on: how well each model's own likelihoods rank
+    the chosen answer above the rejected one (scoring.PreferenceScore.loss_bits, lower is better), with no
+    reference model, so models aligned from different bases compare. `documents` are the pairs {prompt: [messages],
+    chosen, rejected}."""
+
+    documents: tuple[dict, ...]
+    metric: ClassVar[str] = "heldout_preference_bits"
+
+    def jsonl(self) -> str:
+        return "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in self.documents)
+
+    def score(self, files: ModelFiles, device=None) -> float:
+        return score_pairs(files, self.documents, device=device).loss_bits
+
+    @property
+    def bytes(self) -> int:
+        return sum(len(p[k].encode("utf-8")) for p in self.documents for k in ("chosen", "rejected"))
+
+
 def read_yardstick(jsonl: str) -> Yardstick:
-    """A yardstick from its JSON lines (as logged with a registered version): texts, or chats."""
+    """A yardstick from its JSON lines (as logged with a registered version): texts, chats, or preference pairs."""
     rows = [json.loads(line) for line in jsonl.splitlines() if line.strip()]
+    if rows and "chosen" in rows[0]:
+        return PreferenceYardstick(tuple(rows))
     if rows and "messages" in rows[0]:
         return ChatYardstick(tuple(tuple(r["messages"]) for r in rows))
     return Yardstick(tuple(r["text"] for r in rows))

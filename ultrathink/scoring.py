@@ -185,3 +185,63 @@ def score_conversations(model, tokenizer, conversations, batch_size: int = 8, co
     loss, predicted = mean_loss(model, batches, context)
     return TextScore(loss=loss, bits_per_byte=bits_per_byte(loss, predicted, n_bytes), perplexity=math.exp(loss),
                      tokens=predicted, bytes=n_bytes, documents=len(conversations))
+
+
+def answer_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each row's summed log-probability of its targets that are not IGNORE: logits (N, T, vocab), targets (N, T)
+    → (N,), in fp32. A pair's answer under a model is this over its answer tokens (and their closing EOS)."""
+    kept = targets != IGNORE
+    picked = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (picked * kept).sum(-1)
+
+
+def pair_chats(pairs) -> tuple[list[list[dict]], list[list[dict]]]:
+    """(chosen chats, rejected chats) of preference pairs {prompt: [messages before the answer], chosen: text,
+    rejected: text}."""
+    def answered(pair, key):
+        return [*pair["prompt"], {"role": "assistant", "content": pair[key]}]
+
+    return [answered(p, "chosen") for p in pairs], [answered(p, "rejected") for p in pairs]
+
+
+@torch.no_grad()
+def pair_logprobs(model, tokenizer, pairs, batch_size: int = 8, context=nullcontext) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log π(chosen | prompt), log π(rejected | prompt)) of each pair, summed over the answer tokens, each chat
+    fitted to the model's context (fit_window), in eval mode; on the CPU, shape (pairs,)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    sums = []
+    for chats in pair_chats(pairs):
+        x, y, _ = chat_rows(tokenizer, chats, model.cfg.seq_len + 1)
+        parts = []
+        for i in range(0, len(x), batch_size):
+            with context():
+                logits = model(x[i : i + batch_size].to(device))[0]
+            parts.append(answer_logprobs(logits, y[i : i + batch_size].to(device)).cpu())
+        sums.append(torch.cat(parts))
+    model.train(was_training)
+    return sums[0], sums[1]
+
+
+@dataclass
+class PreferenceScore:
+    """How well a model's own likelihoods rank held-out preference pairs, with no reference model (so any two
+    models compare, whatever their tokenizers: a text's probability does not depend on how it is cut)."""
+    loss_bits: float  # mean −log2 σ(log π(chosen) − log π(rejected)): lower is better
+    accuracy: float  # share of pairs with log π(chosen) > log π(rejected)
+    margin: float  # mean log π(chosen) − log π(rejected), nats
+    pairs: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def score_preferences(model, tokenizer, pairs, batch_size: int = 8, context=nullcontext) -> PreferenceScore:
+    pairs = list(pairs)
+    if not pairs:
+        raise ValueError("no preference pairs: there is nothing to score")
+    chosen, rejected = pair_logprobs(model, tokenizer, pairs, batch_size, context)
+    gap = (chosen - rejected).double()
+    loss_bits = float(-torch.nn.functional.logsigmoid(gap).mean() / math.log(2))
+    return PreferenceScore(loss_bits, float((gap > 0).double().mean()), float(gap.mean()), len(pairs))

@@ -28,7 +28,7 @@ from ultrathink import scoring
 from ultrathink.device import DeviceLike, resolve_device
 from ultrathink.errors import StageError
 from ultrathink.model import UltraThink
-from ultrathink.scoring import TextScore
+from ultrathink.scoring import PreferenceScore, TextScore
 from ultrathink.tokenizer import load_tokenizer
 
 
@@ -92,3 +92,12 @@ def score_model(files: ModelFiles, documents, chats: bool = False, device: Devic
                                           load_tokenizer(files.tokenizer_dir), documents)
     texts = {("conversations" if chats else "documents"): list(documents)}  # the function's parameter
     return TextScore(**run_under_model_code(files, scoring, function, texts, device))
+
+
+def score_pairs(files: ModelFiles, pairs, device: DeviceLike | None = None) -> PreferenceScore:
+    """How a model's own likelihoods rank preference pairs (scoring.score_preferences), under its own code when it
+    has a snapshot (a registered model), else under this process's."""
+    if files.code_dir is None:
+        return scoring.score_preferences(UltraThink.from_pretrained(files.model_dir, device=resolve_device(device)),
+                                         load_tokenizer(files.tokenizer_dir), list(pairs))
+    return PreferenceScore(**run_under_model_code(files, scoring, "score_preferences", {"pairs": list(pairs)}, device))

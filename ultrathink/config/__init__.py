@@ -4,13 +4,13 @@ fingerprint.py (which knobs name a checkpoint, the params hashes). The names mos
 
 from ultrathink.config.budget import Budget
 from ultrathink.config.loading import ParamsError, apply_overrides, default_params_yaml, load_params, schema_rows
-from ultrathink.config.schema import (MANUAL_SHAPE, ConstitutionConfig, DataConfig, DeepSpeedConfig, DREConfig,
+from ultrathink.config.schema import (MANUAL_SHAPE, AlignConfig, ConstitutionConfig, DataConfig, DeepSpeedConfig, DREConfig,
                                       EvaluateConfig, FinetuneConfig, LaunchConfig, LoggingConfig, LoraSettings,
                                       MixtureSource, ModelConfig, MoEConfig, MoEGroups, Params, PathsConfig,
                                       PrepareConfig, RegistryConfig, Section, TokenizerConfig, TrainConfig,
                                       ValidateConfig, VariantConfig)
 
-__all__ = ["MANUAL_SHAPE", "Budget", "ConstitutionConfig", "DREConfig", "DataConfig", "DeepSpeedConfig",
+__all__ = ["MANUAL_SHAPE", "AlignConfig", "Budget", "ConstitutionConfig", "DREConfig", "DataConfig", "DeepSpeedConfig",
            "EvaluateConfig", "FinetuneConfig", "LaunchConfig", "LoggingConfig", "LoraSettings", "MixtureSource",
            "ModelConfig", "MoEConfig", "MoEGroups", "Params", "ParamsError", "PathsConfig", "PrepareConfig", "RegistryConfig",
            "Section", "TokenizerConfig", "TrainConfig", "ValidateConfig", "VariantConfig", "apply_overrides",

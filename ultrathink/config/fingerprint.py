@@ -4,13 +4,14 @@ these is still a valid point to resume from."""
 
 from __future__ import annotations
 
-from ultrathink.config.schema import FinetuneConfig, ModelConfig, Params, TrainConfig
+from ultrathink.config.schema import AlignConfig, FinetuneConfig, ModelConfig, Params, TrainConfig
 from ultrathink.hashing import json_hash
 
 TRAIN_BOOKKEEPING = frozenset(
     {"eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints", "keep_configs", "log_every", "resume",
          "threads", "max_bad_steps", "select", "init_from", "tensorboard"})
-FINETUNE_BOOKKEEPING = frozenset({"enabled", "init_from", "eval_every", "samples"})
+# finetune's and align's: `init_from` enters as the base's weights hash.
+POST_TRAINING_BOOKKEEPING = frozenset({"enabled", "init_from", "eval_every", "samples"})
 
 
 def weights_knobs(train: TrainConfig) -> dict:
@@ -27,10 +28,11 @@ def training_params_hash(model: ModelConfig, train: TrainConfig) -> str:
     return json_hash({"model": model.model_dump(), "train": weights_knobs(train)})
 
 
-def finetune_params_hash(finetune: FinetuneConfig, train: TrainConfig) -> str:
-    """The params part of a fine-tuning checkpoint's fingerprint (`train` as fine-tuning derives it)."""
-    knobs = finetune.model_dump(exclude=set(FINETUNE_BOOKKEEPING))
-    return json_hash({"finetune": knobs, "train": weights_knobs(train)})
+def post_training_params_hash(name: str, section: FinetuneConfig | AlignConfig, train: TrainConfig) -> str:
+    """The params part of a fine-tuning (`name` finetune) or alignment (align) checkpoint's fingerprint (`train`
+    as that stage derives it)."""
+    knobs = section.model_dump(exclude=set(POST_TRAINING_BOOKKEEPING))
+    return json_hash({name: knobs, "train": weights_knobs(train)})
 
 
 def section_hash(params: Params, *sections: str) -> str:

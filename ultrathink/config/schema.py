@@ -48,6 +48,11 @@ class PathsConfig(Section):
     finetune_plan: str = "plans/finetune.json"  # fine-tuning's recorded precision and attention kernel (plan.py)
     finetune_report: str = "reports/finetune.json"  # the pairs' gate, response-only loss before/after, sample answers
     finetune_promotion: str = "reports/finetune_promotion.json"
+    aligned_dir: str = "artifacts/aligned"  # model/ (LoRA merged), tokenizer/, held-out preference pairs
+    align_checkpoint_dir: str = "artifacts/align_checkpoints"
+    align_plan: str = "plans/align.json"  # alignment's recorded precision and attention kernel (plan.py)
+    align_report: str = "reports/align.json"  # the pairs' gate, preference accuracy and margins before/after, samples
+    align_promotion: str = "reports/align_promotion.json"
 
     @model_validator(mode="after")
     def _plots_beside_the_report(self) -> "PathsConfig":
@@ -541,6 +546,55 @@ class FinetuneConfig(Section):
         return self
 
 
+class AlignConfig(Section):
+    """Preference alignment after fine-tuning: Direct Preference Optimization on (prompt, chosen, rejected) pairs
+    (stages align and promote_aligned)."""
+
+    enabled: bool = Field(False, description="run the align and promote_aligned stages (off: they record that they "
+                          "are off and do nothing)")
+    init_from: str = Field(
+        "champion", min_length=1, description="the model to align, which is also the frozen reference: champion "
+        "(registry.finetuned_name's champion, pinned to its version when the stage runs), an MLflow model URI, or a "
+        "model dir holding model/ and tokenizer/ (artifacts/finetuned)")
+    data: str = Field(
+        "embedded", min_length=1, description="embedded (the fine-tuning questions, each with its own answer chosen "
+        "over another section's answer) or a .jsonl file of pairs, relative to the project root (data/align/ is a "
+        "dependency of the stage)")
+    prompt_field: str = Field("prompt", min_length=1, description="field of a JSONL row holding the prompt: text, "
+                              "or the chat's messages before the answer; absent when chosen and rejected are whole "
+                              "chats that share everything but their last (assistant) message")
+    chosen_field: str = Field("chosen", min_length=1, description="field holding the preferred answer: text, or a "
+                              "chat ending with an assistant message")
+    rejected_field: str = Field("rejected", min_length=1, description="field holding the dispreferred answer")
+    loss: Literal["sigmoid", "hinge", "ipo"] = Field(
+        "sigmoid", description="sigmoid: DPO (Rafailov et al. 2023); hinge: SLiC; ipo: IPO (Azar et al. 2023)")
+    beta: float = Field(0.1, gt=0, description="strength of the pull toward the reference (DPO's β): smaller lets "
+                        "the model move further from it")
+    val_fraction: float = Field(0.15, gt=0, lt=1, description="share of pairs held out (by a hash of the chosen "
+                                "answer, as fine-tuning splits) for preference accuracy and promotion")
+    min_pairs: int = Field(20, ge=2, description="fewest pairs the data may have")
+    max_prompt_chars: int = Field(2000, ge=1, description="longest prompt (all turns before the answer)")
+    max_answer_chars: int = Field(2000, ge=1, description="longest chosen or rejected answer")
+    method: Literal["lora", "full"] = Field("lora", description="lora: train adapters only (PEFT); full: every weight")
+    lora: LoraSettings = LoraSettings()
+    max_steps: int = Field(40, ge=1, description="optimizer steps")
+    batch_size: int = Field(8, ge=1, description="pairs per step (each answer padded to model.seq_len)")
+    lr: float = Field(1e-3, gt=0, le=1, description="peak learning rate")
+    warmup_steps: int = Field(4, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = Field("cosine")
+    eval_every: int = Field(10, ge=1, description="steps between validation passes on the held-out pairs (the best "
+                            "pass's weights, by preference loss, are the result)")
+    seed: int = Field(0, description="seed of the pair order, the adapters' init and dropout")
+    samples: int = Field(3, ge=0, description="held-out prompts answered (greedy) before and after, in the report")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AlignConfig":
+        if self.warmup_steps > self.max_steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must not exceed max_steps ({self.max_steps})")
+        return self
+
+
 class RegistryConfig(Section):
     """Champion decisions compare bits per byte on one text (the challenger's validation text, each model under its
     own tokenizer): the only measure that stays comparable across tokenizers and data."""
@@ -548,6 +602,8 @@ class RegistryConfig(Section):
     model_name: str = Field("ultrathink", min_length=1, description="registered model name in MLflow")
     finetuned_name: str = Field("ultrathink-chat", min_length=1, description="registered name of the fine-tuned "
                                 "models (their champion is judged on held-out pairs, response tokens only)")
+    aligned_name: str = Field("ultrathink-aligned", min_length=1, description="registered name of the aligned "
+                              "models (their champion is judged on held-out preference pairs)")
     experiment: str = Field("ultrathink", min_length=1)
     task_guard: dict[str, float] = Field(
         default_factory=dict, description="{task: max_drop} or {task/metric: max_drop}: a challenger that beats the "
@@ -608,6 +664,7 @@ class Params(Section):
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     finetune: FinetuneConfig = FinetuneConfig()
+    align: AlignConfig = AlignConfig()
     registry: RegistryConfig = RegistryConfig()
     launch: LaunchConfig = LaunchConfig()
     logging: LoggingConfig = LoggingConfig()
@@ -642,6 +699,13 @@ class Params(Section):
         if self.registry.finetuned_name == self.registry.model_name:
             raise ValueError("registry.finetuned_name must differ from registry.model_name: fine-tuned models are "
                              "judged on other text (held-out pairs) than pretrained ones")
+        return self
+
+    @model_validator(mode="after")
+    def _aligned_name_differs(self) -> "Params":
+        if self.registry.aligned_name in (self.registry.model_name, self.registry.finetuned_name):
+            raise ValueError("registry.aligned_name must differ from registry.model_name and registry.finetuned_name: "
+                             "aligned models are judged on other text (held-out preference pairs)")
         return self
 
     @model_validator(mode="after")

@@ -16,7 +16,7 @@ import great_expectations.expectations as gxe
 import pandas as pd
 from great_expectations.data_context.types.base import ProgressBarsConfig
 
-from ultrathink.config import FinetuneConfig, ValidateConfig
+from ultrathink.config import AlignConfig, FinetuneConfig, ValidateConfig
 from ultrathink.data.cleaning import printable_ratio
 from ultrathink.data.constitution import Principle, violation_column
 from ultrathink.errors import StageError
@@ -283,6 +283,76 @@ class PairsGate(Gate):
         where = [f"line {line}: " if isinstance(line, int) else "" for line in pairs.get("line", [None] * len(rows))]
         shown = pd.Series([w + (problem or f"{prompt!r} → {response!r}") for w, (problem, prompt, response)
                            in zip(where, rows)], dtype=object)
+        return frame, shown
+
+
+def validate_preferences(pairs: pd.DataFrame, cfg: AlignConfig) -> ValidationReport:
+    """The preference data's own suite: every row a well-formed pair, prompt, chosen and rejected present, the
+    answers not blank and not the same, all within their length bounds, and enough pairs. `pairs` comes from
+    ultrathink.align.preferences."""
+    gate = PreferencesGate(cfg)
+    gate.add(pairs)
+    return gate.report()
+
+
+class PreferencesGate(Gate):
+    title = "Preference pairs"
+
+    def __init__(self, cfg: AlignConfig):
+        fields = {"prompt": cfg.prompt_field, "chosen": cfg.chosen_field, "rejected": cfg.rejected_field}
+        bounds = {"prompt length": ("prompt", cfg.max_prompt_chars, "align.max_prompt_chars"),
+                  "chosen length": ("chosen", cfg.max_answer_chars, "align.max_answer_chars"),
+                  "rejected length": ("rejected", cfg.max_answer_chars, "align.max_answer_chars")}
+        expectations = [
+            gxe.ExpectColumnValuesToBeInSet(column="well_formed", value_set=[True], meta={"name": "well-formed rows"}),
+            *[gxe.ExpectColumnValuesToNotBeNull(column=column, meta={"name": f"{column} present"}) for column in fields],
+            *[gxe.ExpectColumnValuesToBeBetween(column=f"{column}_chars", min_value=1,
+                                                meta={"name": f"{column} not empty"}) for column in ("chosen", "rejected")],
+            gxe.ExpectColumnValuesToBeInSet(column="answers_differ", value_set=[True],
+                                            meta={"name": "chosen differs from rejected"}),
+            # An empty answer fails "<answer> not empty" only.
+            *[gxe.ExpectColumnValueLengthsToBeBetween(column=column, min_value=int(column == "prompt"),
+                                                      max_value=limit, meta={"name": name})
+              for name, (column, limit, _) in bounds.items()],
+        ]  # and the row count, checked on the total
+        messages = {
+            "well-formed rows": "{count} of {checked} rows are not a prompt with a chosen and a rejected answer",
+            **{f"{column} present": f"{{count}} of {{checked}} rows have no {field!r} (align.{column}_field)"
+               for column, field in fields.items()},
+            **{f"{column} not empty": f"{{count}} of {{checked}} {column} answers are empty or blank"
+               for column in ("chosen", "rejected")},
+            "chosen differs from rejected": "{count} of {checked} rows have the same chosen and rejected answer: "
+            "they teach no preference",
+            **{name: f"{{count}} of {{checked}} {column}s are longer than {limit} characters or empty ({knob})"
+               for name, (column, limit, knob) in bounds.items()},
+            "row count": f"{{observed}} pairs; at least {cfg.min_pairs} are needed (align.min_pairs)",
+        }
+        super().__init__(expectations, messages, cfg.min_pairs)
+
+    def frame(self, pairs: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series]:
+        def text(value):
+            return value if isinstance(value, str) else None  # missing fields come back from pandas as NaN
+
+        def prompt_text(messages):  # what the length bound applies to: every message before the answer
+            return "\n".join(m["content"] for m in messages) if isinstance(messages, list) else None
+
+        rows = [(text(problem), prompt_text(prompt), text(chosen),
+                 text(rejected)) for problem, prompt, chosen, rejected
+                in zip(pairs["problem"], pairs["prompt"], pairs["chosen"], pairs["rejected"])]
+        # A malformed row fails "well-formed rows" only (its fields are not counted again).
+        frame = pd.DataFrame({
+            "well_formed": [problem is None for problem, *_ in rows],
+            "prompt": ["x" if row[0] else row[1] for row in rows],
+            "chosen": ["x" if row[0] else row[2] for row in rows],
+            "rejected": ["y" if row[0] else row[3] for row in rows],
+        }, dtype=object)
+        for column in ("chosen", "rejected"):
+            frame[f"{column}_chars"] = frame[column].map(lambda r: len(r.strip()), na_action="ignore").astype(float)
+        frame["answers_differ"] = [c is None or r is None or c.strip() != r.strip()
+                                   for c, r in zip(frame["chosen"], frame["rejected"])]
+        where = [f"line {line}: " if isinstance(line, int) else "" for line in pairs.get("line", [None] * len(rows))]
+        shown = pd.Series([w + (problem or f"{prompt!r} → chosen {chosen!r}, rejected {rejected!r}")
+                           for w, (problem, prompt, chosen, rejected) in zip(where, rows)], dtype=object)
         return frame, shown
 
 

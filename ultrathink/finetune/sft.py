@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 
-from ultrathink.config import Params, TrainConfig
+from ultrathink.config import AlignConfig, FinetuneConfig, Params, TrainConfig
 from ultrathink.errors import StageError
 from ultrathink.model.chat import reply
 from ultrathink.finetune.lora import add_adapters, merged, quantize_base
@@ -23,7 +23,7 @@ from ultrathink.model.model import weights_sha256
 from ultrathink.registry.champion import CHAMPION
 from ultrathink.scoring import TextScore, score_conversations
 from ultrathink.registry.models import resolve_named_model
-from ultrathink.config.fingerprint import finetune_params_hash
+from ultrathink.config.fingerprint import post_training_params_hash
 from ultrathink.hashing import json_hash
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.plan import Plan, PlanBook, apply_plan, plan_on_main, plan_run
@@ -49,32 +49,36 @@ class Base:
         return {"base_model": self.pinned, "base_model_ref": self.ref, "base_weights_sha256": self.weights_sha256}
 
 
-def resolve_base(params: Params, root: Path = Path("."), pinned: str | None = None) -> Base:
-    """finetune.init_from → local files: `champion` is registry.model_name's champion; an alias is pinned to the
-    version it names now, which is what the lineage records. `pinned`: the version the main rank resolved, so
-    every rank reads the same one even if the alias moves meanwhile."""
-    ref = params.finetune.init_from
-    uri = pinned or (f"models:/{params.registry.model_name}@{CHAMPION}" if ref == CHAMPION else ref)
+def resolve_base(ref: str, registered_name: str, root: Path = Path("."), pinned: str | None = None) -> Base:
+    """A post-training stage's init_from → local files: `champion` is `registered_name`'s champion (fine-tuning's
+    registry.model_name, alignment's registry.finetuned_name); an alias is pinned to the version it names now,
+    which is what the lineage records. `pinned`: the version the main rank resolved, so every rank reads the same
+    one even if the alias moves meanwhile."""
+    uri = pinned or (f"models:/{registered_name}@{CHAMPION}" if ref == CHAMPION else ref)
     named = resolve_named_model(uri, root)
     files = named.files
     return Base(ref, named.pinned, files.model_dir, files.tokenizer_dir, weights_sha256(files.model_dir))
 
 
 def train_config(params: Params) -> TrainConfig:
-    """train.* (precision, attention kernel, optimizer, clipping, threads, checkpoint keeping) with finetune.*'s
-    steps, learning rate, batch and schedule; no budget, no compile, the best held-out checkpoint kept."""
-    ft = params.finetune
+    return post_training_config(params.train, params.finetune)
+
+
+def post_training_config(train: TrainConfig, ft: FinetuneConfig | AlignConfig) -> TrainConfig:
+    """train.* (precision, attention kernel, optimizer, clipping, threads, checkpoint keeping) with the stage's
+    (finetune.*'s or align.*'s) steps, learning rate, batch and schedule; no budget, no compile, the best held-out
+    checkpoint kept."""
     return TrainConfig.model_validate({
-        **params.train.model_dump(), "max_steps": ft.max_steps, "budget": None, "lr": ft.lr,
+        **train.model_dump(), "max_steps": ft.max_steps, "budget": None, "lr": ft.lr,
         "warmup_steps": ft.warmup_steps, "warmup_fraction": None, "weight_decay": ft.weight_decay,
         "schedule": ft.schedule, "batch_size": ft.batch_size, "grad_accum": 1, "seed": ft.seed,
         "eval_every": ft.eval_every, "eval_batches": 10**9, "checkpoint_every": ft.eval_every,
-        "log_every": min(params.train.log_every, ft.eval_every), "compile": False, "init_from": None,
+        "log_every": min(train.log_every, ft.eval_every), "compile": False, "init_from": None,
         "init_optimizer": False, "early_stopping_patience": None, "select": "best"})
 
 
 def fingerprint(params: Params, base: Base, train_chats: list, val_chats: list, plan: Plan) -> Fingerprint:
-    return Fingerprint(finetune_params_hash(params.finetune, train_config(params)),
+    return Fingerprint(post_training_params_hash("finetune", params.finetune, train_config(params)),
                        json_hash({"train": train_chats, "val": val_chats}),
                        code_hash(FINETUNE_CODE), base.weights_sha256, json_hash(plan.decisions()))
 
@@ -106,13 +110,13 @@ class Setup:
         return (merged(adapted) if adapted is not None else model).to(trainer.dist.device)
 
 
-def adapted_model(params: Params, base: Base) -> tuple[UltraThink, PeftModel | None, tuple[int, int] | None]:
-    """The base model in fp32 (an open model may be stored in bf16), its adapted layers quantized when
-    finetune.quantize says so, with LoRA adapters (seeded by finetune.seed) under finetune.method lora: the model
+def adapted_model(ft: FinetuneConfig | AlignConfig, base: Base, quantize: str | None = None
+                  ) -> tuple[UltraThink, PeftModel | None, tuple[int, int] | None]:
+    """The base model in fp32 (an open model may be stored in bf16), its adapted layers quantized when `quantize`
+    (finetune.quantize) says so, with LoRA adapters (seeded by the stage's seed) under its method lora: the model
     to train, the PEFT wrapper (None: full fine-tuning) and the quantized bytes (before, after)."""
-    ft = params.finetune
     model = UltraThink.from_pretrained(base.model_dir, dtype=torch.float32)
-    quantized = quantize_base(model, ft.quantize, ft.lora.target_modules) if ft.quantize else None
+    quantized = quantize_base(model, quantize, ft.lora.target_modules) if quantize else None
     torch.manual_seed(ft.seed)  # the adapters' initial A matrices
     adapted = add_adapters(model, ft.lora) if ft.method == "lora" else None
     return (adapted.get_base_model() if adapted is not None else model), adapted, quantized
@@ -127,7 +131,7 @@ def build(params: Params, base: Base, tokenizer, train_chats: list, val_chats: l
     if ft.quantize and dist.sharded:
         raise ShardedQuantizedError(f"finetune.quantize {ft.quantize} cannot be sharded by FSDP: fine-tune a quantized "
                                     "base on one process or on several ranks with train.backend ddp")
-    trained, adapted, quantized = adapted_model(params, base)
+    trained, adapted, quantized = adapted_model(ft, base, ft.quantize)
     # Precision and attention kernel: decided once per configuration and machine class, as pretraining's.
     decided = plan_on_main(dist, lambda: plan_run(trained.cfg, cfg, trained.vocab_size, train_chats, val_chats,
                                                   dist.device, dist.world_size, PlanBook(params.paths.finetune_plan)))
@@ -141,7 +145,7 @@ def build(params: Params, base: Base, tokenizer, train_chats: list, val_chats: l
     batches = ChatBatches(tokenizer, train_chats, seq_len, cfg.batch_size, ft.seed, dist.rank, dist.world_size)
     trainer = Trainer(engine, batches, ChatEval(tokenizer, val_chats, seq_len), cfg, checkpoints, log_metrics, dist,
                       peak_flops=decided.peak_flops)
-    return Setup(trainer, adapted, lambda: adapted_model(params, base)[:2], quantized)
+    return Setup(trainer, adapted, lambda: adapted_model(ft, base, ft.quantize)[:2], quantized)
 
 
 def score(model: UltraThink, tokenizer, chats: list) -> TextScore:

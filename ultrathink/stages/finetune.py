@@ -84,9 +84,9 @@ def fine_tune_on(dist, params: Params) -> None:
             atomic_write_json(p.finetune_report, {"enabled": True, "gate": gate.to_dict()})
         raise CorpusValidationError(gate)
     train_chats, val_chats = split_pairs(pairs, ft.val_fraction)
-    base = resolve_base(params) if dist.is_main else None
+    base = resolve_base(ft.init_from, params.registry.model_name) if dist.is_main else None
     pinned = dist.share(base.pinned if base else None)  # every rank reads the version the main rank pinned
-    base = base or resolve_base(params, pinned=pinned)
+    base = base or resolve_base(ft.init_from, params.registry.model_name, pinned=pinned)
     tokenizer = chat_tokenizer(base.tokenizer_dir)
     shown = val_chats[: ft.samples]
     if dist.is_main:  # the base model's answers, before training seeds its generators (the others wait in build)

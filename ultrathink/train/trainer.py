@@ -36,6 +36,35 @@ class EvalData(Protocol):
     def eval_batches(self, batch_size: int, max_batches: int | None = None) -> Iterable[tuple[torch.Tensor, torch.Tensor]]: ...
 
 
+class Objective(Protocol):
+    """What a step minimises over one micro-batch of the loader's, and what validation measures. The default is
+    next-token prediction; alignment plugs in its preference loss (ultrathink.align.dpo)."""
+
+    def weight(self, batch) -> int:
+        """What the batch's loss is a mean over (its targets, its pairs): a step weighs micro-batches by it."""
+
+    def loss(self, module: torch.nn.Module, batch, device) -> tuple[torch.Tensor, dict]:
+        """(the micro-batch's mean loss, the routing variants' statistics of its forward)."""
+
+    def validate(self, model: torch.nn.Module, val_data, cfg: TrainConfig) -> float:
+        """The held-out loss that early stopping and train.select go by (lower is better)."""
+
+
+class NextToken:
+    """Next-token cross-entropy on the targets that are not IGNORE (pretraining, fine-tuning's answers)."""
+
+    def weight(self, batch) -> int:
+        return int((batch[1] != scoring.IGNORE).sum())
+
+    def loss(self, module, batch, device) -> tuple[torch.Tensor, dict]:
+        x, y = (t.to(device, non_blocking=True) for t in batch)
+        out = module(x, y)
+        return out.loss, out.routing
+
+    def validate(self, model, val_data, cfg: TrainConfig) -> float:
+        return mean_loss(model, val_data.eval_batches(cfg.batch_size, cfg.eval_batches), cfg.precision)[0]
+
+
 class NonFiniteLossError(StageError):
     """Training produced too many non-finite losses or gradients in a row; no checkpoint was written from them."""
 
@@ -103,9 +132,11 @@ class Trainer:
     def __init__(self, engine: Engine, train_loader: TokenWindows, val_data: np.ndarray | EvalData,
                  cfg: TrainConfig, checkpoints: CheckpointManager,
                  log_metrics: MetricsSink | None = None, dist: Distributed | None = None,
-                 peak_flops: float | None = None, deadline: Deadline | None = None):
-        """`train_loader` gives (x, y) batches (targets -100 are not trained on) and has `seq_len` and a
-        state_dict; `val_data` is the val split's tokens or anything with `eval_batches(batch_size, max_batches)`.
+                 peak_flops: float | None = None, deadline: Deadline | None = None,
+                 objective: Objective | None = None):
+        """`train_loader` gives batches of the objective's (next-token's: (x, y), targets -100 not trained on) and
+        has `seq_len` (tokens per row of its batches), `layout` and a state_dict; `val_data` is the val split's
+        tokens or anything with `eval_batches(batch_size, max_batches)` that gives the objective's batches.
         `peak_flops`: the device's FLOP/s in this precision, for MFU (default: precision.peak_flops).
         `deadline`: a time budget's end, when this run measured the plan.
 
@@ -118,6 +149,7 @@ class Trainer:
         self.engine, model = engine, engine.model
         self.model, self.loader, self.cfg = model, train_loader, cfg
         self.deadline, self.peak_flops = deadline, peak_flops
+        self.objective = objective or NextToken()
         self.val_data = val_data if hasattr(val_data, "eval_batches") else TokenStreamEval(val_data, train_loader.seq_len)
         self.checkpoints = checkpoints
         self.log_metrics = log_metrics or (lambda metrics, step: None)
@@ -209,17 +241,16 @@ class Trainer:
         # The step's loss is the mean over the global batch's targets, however the ranks and micro-batches split
         # it: a micro-batch's mean loss weighs by its share of the targets (fine-tuning's answers differ in length;
         # in pretraining every share is equal and every weight exactly 1).
-        targets = [int((y != scoring.IGNORE).sum()) for _, y in batches]
+        targets = [self.objective.weight(batch) for batch in batches]
         in_step = max(self.dist.sum(float(sum(targets))), 1.0)
         total, stats = 0.0, {}
-        for (x, y), count in zip(batches, targets):
-            x, y = x.to(self.dist.device, non_blocking=True), y.to(self.dist.device, non_blocking=True)
+        for batch, count in zip(batches, targets):
             with self.engine.autocast():
-                out = self.engine.module(x, y)
+                loss, routed = self.objective.loss(self.engine.module, batch, self.dist.device)
             weight = count * self.layout.accum * self.dist.world_size / in_step  # the engine and ranks average
-            self.engine.backward(out.loss if weight == 1.0 else out.loss * weight)
-            total += out.loss.item() * count / in_step
-            stats = routing.add(stats, out.routing)
+            self.engine.backward(loss if weight == 1.0 else loss * weight)
+            total += loss.item() * count / in_step
+            stats = routing.add(stats, routed)
         total = self.dist.sum(total)  # every rank sees the same loss, so all take the same skip decision
         stats = self.dist.sum_stats(stats)
         grad_norm, applied = self.engine.step(total)
@@ -257,8 +288,7 @@ class Trainer:
         return self.engine.model_state()
 
     def validate(self) -> float:
-        batches = self.val_data.eval_batches(self.cfg.batch_size, self.cfg.eval_batches)
-        return mean_loss(self.model, batches, self.cfg.precision)[0]
+        return self.objective.validate(self.model, self.val_data, self.cfg)
 
     def _count_validation(self, val_loss: float) -> bool:
         """Count a validation pass toward early stopping; True when it is the best so far."""

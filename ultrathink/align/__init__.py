@@ -1,0 +1,1 @@
+"""Preference alignment after fine-tuning: Direct Preference Optimization on (prompt, chosen, rejected) pairs."""
