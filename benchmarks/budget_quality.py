@@ -46,6 +46,7 @@ from reference_gpt import GPT  # noqa: E402
 from tests.e2e_helpers import sh  # noqa: E402
 
 from ultrathink.config import Budget, ModelConfig  # noqa: E402
+from ultrathink.data.tokens import read_meta  # noqa: E402
 from ultrathink.registry.models import evaluate_text_file  # noqa: E402
 from ultrathink.train import sizing  # noqa: E402
 from ultrathink.train.engine import autocast  # noqa: E402
@@ -76,7 +77,9 @@ def train_and_score(project: Path, held_out: Path, budget: str, overrides: list[
     model = ModelConfig(**config["model"])
     shape = sizing.Shape.of(model)
     _, non_embedding, _ = sizing.counts(shape, model, config["vocab_size"])
+    corpus_tokens = read_meta(project / "data" / "prepared")["train"]["tokens"]
     return {"bpb": scored["bits_per_byte"], "steps": summary["steps"], "seconds": seconds,
+            "corpus_tokens": corpus_tokens,
             "params": summary["params"], "vocab": config["vocab_size"], "non_embedding_params": non_embedding,
             "tokens": summary["steps"] * summary["plan"]["tokens_per_step"], "shape": asdict(shape),
             "sizing": sizing_line.split("model.size auto:")[-1].split(" — ")[0].strip()}

@@ -133,6 +133,20 @@ def test_dpo_through_the_trainer_learns_the_held_out_preference_from_a_frozen_re
     assert build(params, base, tokenizer, train[1:], heldout, Distributed())[0].trainer.resume() is None
 
 
+def test_full_alignment_trains_every_weight_from_the_model_as_it_started(assets, tmp_path):
+    params, tokenizer = align_params(tmp_path, method="full", max_steps=4, eval_every=4, lr=1e-3), load_tokenizer(assets / "tokenizer")
+    pairs = [cat_pair(i) for i in range(12)]
+    base = Base("dir", str(assets), assets / "model", assets / "tokenizer", file_sha256(assets / "model" / "model.safetensors"))
+    original = UltraThink.from_pretrained(assets / "model")
+    setup, reference = build(params, base, tokenizer, pairs[:8], pairs[8:], Distributed())
+    assert setup.adapted is None
+    assert trainable_share(setup.trainer.model) == (sum(p.numel() for p in original.parameters()),) * 2
+    assert all(torch.equal(a, b) for a, b in zip(reference, pair_logprobs(original, tokenizer, pairs[8:])))
+    setup.trainer.fit()
+    trained = setup.final_model().state_dict()
+    assert all(not torch.equal(trained[k], v) for k, v in original.state_dict().items() if k.endswith("proj.weight"))
+
+
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path

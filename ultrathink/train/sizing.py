@@ -14,8 +14,9 @@ The rule, in three steps:
    of d64 × 2 layers in the same 10 s and was the better model on three corpora (benchmarks/README.md).
 3. **Predicted loss**, and the lowest wins (within TIE of it, the cheapest shape): Chinchilla's fit L(N, D) = E + A/N^α + B/D^β (Hoffmann et al. 2022,
    approach 3; N = non-embedding parameters), with D the *effective* tokens when the corpus repeats — each further
-   epoch is worth less, with the decay Muennighoff et al. 2023 fitted (R* = 15.4). So a small corpus and a large
-   budget give a wider model trained for fewer epochs, rather than 100 passes over the same text.
+   epoch is worth less, with Muennighoff et al. 2023's form of the decay and its constant fitted to this regime
+   (REPEAT_DECAY, from the measured runs in sizing_evidence.py). So a small corpus and a large budget give a larger
+   model trained for fewer epochs, rather than 100 passes over the same text.
 
 The batch is the one that gives about TARGET_STEPS optimizer steps (a power of two of sequences, at least
 MIN_BATCH): small budgets need many small steps more than large batches. The learning rate is train.lr's.
@@ -35,7 +36,10 @@ from ultrathink.config import ModelConfig
 from ultrathink.model import UltraThink
 
 CHINCHILLA = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
-REPEAT_DECAY = 15.4  # Muennighoff et al. 2023: R*_D, repetitions after which added epochs are worth 1/e as much
+# R*_D of Muennighoff et al. 2023: the repetitions after which added epochs are worth 1/e as much. They fitted 15.4 at
+# billions of parameters; fitted here to shapes trained side by side on small corpora (sizing_evidence.SWEEPS):
+# at 5–12 epochs 15.4 kept choosing the smaller model, which measured 0.06–0.12 bits/byte worse.
+REPEAT_DECAY = 5.0
 TOKENS_PER_PARAM = 20  # Chinchilla's compute-optimal ratio, used when the budget is in tokens
 TARGET_STEPS = 1000
 # Predicted losses this close (relative) are a tie: the fit cannot tell them apart, and a measured throughput that
@@ -111,21 +115,22 @@ class Sizing:
         return (f"model.size auto: d_model {s.d_model}, {s.n_layers} layers, {s.n_heads} heads ({s.n_kv_heads} kv), "
                 f"seq_len {s.seq_len}, batch {self.batch_size}: {self.params / 1e6:.2f}M params, "
                 f"{self.tokens / 1e6:.2f}M tokens ({self.epochs:.1f} epochs of the corpus) — the lowest loss "
-                f"Chinchilla's fit predicts for this budget with repeated data discounted "
+                f"Chinchilla's fit predicts for this budget with repeated data discounted (R* {REPEAT_DECAY:g}) "
                 f"(next best: {self.runner_up.get('shape')})")
 
 
-def effective_tokens(tokens: float, unique: float) -> float:
+def effective_tokens(tokens: float, unique: float, repeat_decay: float = REPEAT_DECAY) -> float:
     """Muennighoff et al.'s data-constrained scaling: the first epoch counts in full, repeats less and less."""
     if tokens <= unique:
         return tokens
     repeats = tokens / unique - 1
-    return unique + unique * REPEAT_DECAY * (1 - math.exp(-repeats / REPEAT_DECAY))
+    return unique + unique * repeat_decay * (1 - math.exp(-repeats / repeat_decay))
 
 
-def predicted_loss(non_embedding_params: int, tokens: float, unique: float) -> float:
+def predicted_loss(non_embedding_params: int, tokens: float, unique: float, repeat_decay: float = REPEAT_DECAY) -> float:
     c = CHINCHILLA
-    return c["E"] + c["A"] / non_embedding_params ** c["alpha"] + c["B"] / effective_tokens(tokens, unique) ** c["beta"]
+    return (c["E"] + c["A"] / non_embedding_params ** c["alpha"]
+            + c["B"] / effective_tokens(tokens, unique, repeat_decay) ** c["beta"])
 
 
 def candidate_shapes(fixed: dict[str, int]) -> list[Shape]:
