@@ -8,9 +8,9 @@ A pair is {prompt: [messages before the answer], chosen: text, rejected: text}. 
     assistant's (TRL's conversational form with an implicit prompt).
 
 The embedded default asks the fine-tuning questions (ultrathink.finetune.pairs: about each section of the Python
-language reference) and prefers the section's own answer to another section's. It teaches the model to answer the
-question asked rather than a fluent answer about something else — relevance, which a likelihood model already half
-knows from its fine-tuning; it cannot teach style, helpfulness, refusal or any judgement a human would add.
+language reference) and prefers the section's own answer to another section's (embedded_preferences). It teaches
+the model to answer the question asked rather than a fluent answer about something else — relevance; it cannot
+teach style, helpfulness, refusal or any judgement a human would add.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class PreferencesError(StageError):
 def load_preferences(cfg: AlignConfig, root: Path = Path(".")) -> pd.DataFrame:
     """One row per pair: the prompt's messages, the chosen and rejected answers' text (None when missing), a
     `problem` (None, or why the row is not a well-formed pair) for the gate to count, and the file's line."""
-    rows = embedded_preferences() if cfg.data == EMBEDDED else read_jsonl(root / cfg.data, cfg)
+    rows = embedded_preferences(cfg.val_fraction) if cfg.data == EMBEDDED else read_jsonl(root / cfg.data, cfg)
     return pd.DataFrame(rows, columns=COLUMNS).astype({LINE: object})
 
 
@@ -96,18 +96,33 @@ def _malformed(problem: str) -> dict:
     return {PROMPT: None, CHOSEN: None, REJECTED: None, PROBLEM: problem}
 
 
-def embedded_preferences() -> list[dict]:
-    """Each fine-tuning question (both phrasings) with its section's answer chosen over the answer of the section
-    half the reference away (a different answer: sections that share one are skipped over)."""
+def embedded_preferences(val_fraction: float) -> list[dict]:
+    """Each fine-tuning question (both phrasings) with its section's answer chosen over the answer of the question
+    half its side of the split away (split_preferences's side: training or held out), or the next one with another
+    answer. Every answer is rejected as often as it is chosen, on its own side, so an answer's own likelihood
+    cancels out and only its fit to the question is left to learn; and no held-out pair's answer is trained on, as
+    chosen or as rejected."""
     pairs = embedded_pairs()
-    answers = list(dict.fromkeys(p["response"] for p in pairs))
-    index = {a: i for i, a in enumerate(answers)}
-    rows = []
+    sides: dict[bool, list[str]] = {True: [], False: []}
     for pair in pairs:
-        i = index[pair["response"]]
-        rejected = answers[(i + len(answers) // 2) % len(answers)]
-        rows.append({PROMPT: [user(pair["prompt"])], CHOSEN: pair["response"], REJECTED: rejected, PROBLEM: None})
+        sides[is_held_out(pair["response"], val_fraction)].append(pair["response"])
+    rows, seen = [], {True: 0, False: 0}
+    for pair in pairs:
+        side = is_held_out(pair["response"], val_fraction)
+        answers, i = sides[side], seen[side]
+        seen[side] += 1
+        offset = len(answers) // 2
+        while answers[(i + offset) % len(answers)] == pair["response"]:
+            offset += 1
+        rows.append({PROMPT: [user(pair["prompt"])], CHOSEN: pair["response"],
+                     REJECTED: answers[(i + offset) % len(answers)], PROBLEM: None})
     return rows
+
+
+def is_held_out(chosen: str, val_fraction: float) -> bool:
+    """A pair's side of the split, by a hash of its chosen answer — fine-tuning's rule (finetune.pairs)."""
+    digest = hashlib.sha256(chosen.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
 
 
 def split_preferences(frame: pd.DataFrame, val_fraction: float) -> tuple[list[dict], list[dict]]:
@@ -116,9 +131,8 @@ def split_preferences(frame: pd.DataFrame, val_fraction: float) -> tuple[list[di
     align.val_fraction ≥ finetune.val_fraction)."""
     train, val = [], []
     for prompt, chosen, rejected in zip(frame[PROMPT], frame[CHOSEN], frame[REJECTED]):
-        digest = hashlib.sha256(chosen.encode("utf-8")).digest()
         pair = {PROMPT: list(prompt), CHOSEN: chosen, REJECTED: rejected}
-        (val if int.from_bytes(digest[:8], "big") / 2**64 < val_fraction else train).append(pair)
+        (val if is_held_out(chosen, val_fraction) else train).append(pair)
     if not train or not val:
         raise StageError(f"align.val_fraction={val_fraction} leaves {len(train)} training and {len(val)} held-out "
                          "pairs; both need at least one")

@@ -577,13 +577,14 @@ class AlignConfig(Section):
     max_answer_chars: int = Field(2000, ge=1, description="longest chosen or rejected answer")
     method: Literal["lora", "full"] = Field("lora", description="lora: train adapters only (PEFT); full: every weight")
     lora: LoraSettings = LoraSettings()
-    max_steps: int = Field(40, ge=1, description="optimizer steps")
+    max_steps: int = Field(150, ge=1, description="optimizer steps (embedded pairs on the default model: at 150 and "
+                           "lr 2e-3 the held-out implicit rewards rank 72% of pairs right; at 40 none moved)")
     batch_size: int = Field(8, ge=1, description="pairs per step (each answer padded to model.seq_len)")
-    lr: float = Field(1e-3, gt=0, le=1, description="peak learning rate")
-    warmup_steps: int = Field(4, ge=0)
+    lr: float = Field(2e-3, gt=0, le=1, description="peak learning rate")
+    warmup_steps: int = Field(10, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     schedule: Literal["cosine", "linear", "constant", "wsd"] = Field("cosine")
-    eval_every: int = Field(10, ge=1, description="steps between validation passes on the held-out pairs (the best "
+    eval_every: int = Field(30, ge=1, description="steps between validation passes on the held-out pairs (the best "
                             "pass's weights, by preference loss, are the result)")
     seed: int = Field(0, description="seed of the pair order, the adapters' init and dropout")
     samples: int = Field(3, ge=0, description="held-out prompts answered (greedy) before and after, in the report")
