@@ -23,7 +23,7 @@ import pandas as pd
 
 from ultrathink.config import AlignConfig
 from ultrathink.errors import StageError
-from ultrathink.finetune.pairs import chat_problem, embedded_pairs
+from ultrathink.finetune.pairs import chat_problem, embedded_pairs, json_objects
 from ultrathink.model.chat import user
 
 EMBEDDED = "embedded"
@@ -43,21 +43,8 @@ def load_preferences(cfg: AlignConfig, root: Path = Path(".")) -> pd.DataFrame:
 
 
 def read_jsonl(path: Path, cfg: AlignConfig) -> list[dict]:
-    if not path.is_file():
-        raise PreferencesError(f"align.data: {path} is not a file (a .jsonl of preference pairs, or `embedded`)")
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise PreferencesError(f"{path} line {number}: not JSON ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(record, dict):
-                raise PreferencesError(f"{path} line {number}: expected a JSON object, got {type(record).__name__}")
-            rows.append({**preference_row(record, cfg), LINE: number})
-    return rows
+    return [{**preference_row(record, cfg), LINE: number}
+            for number, record in json_objects(path, "align.data", "a .jsonl of preference pairs", PreferencesError)]
 
 
 def preference_row(record: dict, cfg: AlignConfig) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
@@ -43,9 +44,15 @@ def load_pairs(cfg: FinetuneConfig, root: Path = Path(".")) -> pd.DataFrame:
 
 
 def read_jsonl(path: Path, cfg: FinetuneConfig) -> list[dict]:
+    return [{**pair_row(record, cfg), LINE: number}
+            for number, record in json_objects(path, "finetune.data", "a .jsonl of pairs", PairsError)]
+
+
+def json_objects(path: Path, knob: str, what: str, error: type[StageError]) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each non-blank line of a JSONL file; `error` names the file and the line that is
+    not a JSON object, or `knob` when there is no such file."""
     if not path.is_file():
-        raise PairsError(f"finetune.data: {path} is not a file (a .jsonl of pairs, or `embedded`)")
-    rows = []
+        raise error(f"{knob}: {path} is not a file ({what}, or `embedded`)")
     with path.open(encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -53,11 +60,10 @@ def read_jsonl(path: Path, cfg: FinetuneConfig) -> list[dict]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise PairsError(f"{path} line {number}: not JSON ({exc.msg} at column {exc.colno})") from None
+                raise error(f"{path} line {number}: not JSON ({exc.msg} at column {exc.colno})") from None
             if not isinstance(record, dict):
-                raise PairsError(f"{path} line {number}: expected a JSON object, got {type(record).__name__}")
-            rows.append({**pair_row(record, cfg), LINE: number})
-    return rows
+                raise error(f"{path} line {number}: expected a JSON object, got {type(record).__name__}")
+            yield number, record
 
 
 def pair_row(record: dict, cfg: FinetuneConfig) -> dict:

@@ -10,57 +10,20 @@ the implicit rewards' accuracy and margin against the reference after, the chose
 answers. Off, the stage writes an align.json that says so (and an empty plan book, paths.align_plan, if there is
 none), so the pipeline's DAG stays one for both."""
 
-import logging
 import time
-from pathlib import Path
 
 from ultrathink.align.outputs import HELDOUT_FILE, STATUS_FILE
 from ultrathink.config import Params
-from ultrathink.errors import StageError
 from ultrathink.io import atomic_dir, atomic_write_json, atomic_write_text
-from ultrathink.launch import is_rank, run_ranks, starts_ranks
-
-log = logging.getLogger(__name__)
+from ultrathink.post_training import record_off, run_post_training
 
 
 def run(params: Params) -> None:
+    p = params.paths
     if not params.align.enabled:
-        with atomic_dir(params.paths.aligned_dir) as out:
-            atomic_write_json(out / STATUS_FILE, {"enabled": False})
-        atomic_write_json(params.paths.align_report, {"enabled": False})
-        if not Path(params.paths.align_plan).exists():  # an output of the stage: an empty book until it trains
-            atomic_write_json(params.paths.align_plan, {})
-        print("align: off (align.enabled: false)")
+        record_off("align", p.aligned_dir, STATUS_FILE, p.align_report, p.align_plan)
         return
-    if starts_ranks(params.launch):  # launch.* asks for several processes: start them, each runs this stage
-        refuse_deepspeed(params)
-        run_ranks("align", params)
-        return
-    align(params)
-
-
-def refuse_deepspeed(params: Params) -> None:
-    if params.train.backend == "deepspeed":
-        raise StageError("align on several ranks runs under DDP or FSDP (train.backend auto, ddp or fsdp), and "
-                         "train.backend is deepspeed: set it for the alignment (--set train.backend=ddp)")
-
-
-def align(params: Params) -> None:
-    """On one process (the GPU when there is one, with the torch engine whatever train.backend says), or as one of
-    the ranks launch.* started: every rank trains; the main rank alone scores, samples, talks to MLflow and
-    writes files."""
-    from ultrathink.train.distributed import setup
-
-    if is_rank():
-        refuse_deepspeed(params)
-    dist = setup(params.train.backend if is_rank() else "single")
-    try:
-        align_on(dist, params)
-        dist.barrier()  # every rank is done, the main rank's files and MLflow run included
-    except BaseException:
-        dist.close()
-        raise
-    dist.finish()
+    run_post_training("align", "alignment", params, align_on)
 
 
 def align_on(dist, params: Params) -> None:
