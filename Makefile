@@ -40,7 +40,7 @@ repro: setup .dvc/config
 	$(BIN)/dvc repro
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 bench: setup
 	$(BIN)/python benchmarks/train_throughput.py
