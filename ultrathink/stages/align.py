@@ -56,8 +56,7 @@ def align_on(dist, params: Params) -> None:
     base = base or resolve_base(al.init_from, params.registry.finetuned_name, pinned=pinned)
     tokenizer = chat_tokenizer(base.tokenizer_dir)
     chosen_chats = pair_chats(val_pairs)[0]
-    shown = [pair["prompt"] for pair in val_pairs[: al.samples]]
-    prompts = [[*prompt, {"role": "assistant", "content": ""}] for prompt in shown]  # sample_answers drops the last
+    prompts = chosen_chats[: al.samples]  # sample_answers answers the turns before each chat's last answer
     if dist.is_main:  # the base model's figures, before training seeds its generators (the others wait in build)
         base_model = UltraThink.from_pretrained(base.model_dir, dist.device, torch.float32)
         before = score_preferences(base_model, tokenizer, val_pairs)
@@ -79,7 +78,7 @@ def align_on(dist, params: Params) -> None:
         if not resumed:
             mlflow.log_params(flat_keys("align", al.model_dump()))
             mlflow.set_tags({"stage": "align", "git_commit": git_commit(), **base.tags(),
-                             "data_hash": _pairs_hash(train_pairs, val_pairs),
+                             "data_hash": trainer.checkpoints.fingerprint.data,
                              "fingerprint": trainer.checkpoints.fingerprint.id})
         result = trainer.fit()
         selected = trainer.select_weights()  # the best held-out pass's weights
@@ -101,12 +100,11 @@ def align_on(dist, params: Params) -> None:
             "align_train_pairs": float(len(train_pairs)), "align_heldout_pairs": float(len(val_pairs)),
             "align_train_seconds": result.seconds}
         mlflow.log_metrics(metrics)
-        samples = [{"prompt": prompt[-1]["content"], "chosen": pair["chosen"], "rejected": pair["rejected"],
-                    "before": b, "after": a}
-                   for prompt, pair, b, a in zip(shown, val_pairs, answers_before, answers_after)]
+        samples = [{"prompt": pair["prompt"][-1]["content"], "chosen": pair["chosen"], "rejected": pair["rejected"],
+                    "before": b, "after": a} for pair, b, a in zip(val_pairs, answers_before, answers_after)]
         mlflow.log_dict(samples, "align/samples.json")
         status = {"enabled": True, "method": al.method, "loss": al.loss, "beta": al.beta, "base": base.tags(),
-                  "data_hash": _pairs_hash(train_pairs, val_pairs), "steps": result.step,
+                  "data_hash": trainer.checkpoints.fingerprint.data, "steps": result.step,
                   "world_size": dist.world_size, "backend": dist.backend, "selected_step": selected,
                   "resumed_from": result.resumed_from, "fingerprint": trainer.checkpoints.fingerprint.id,
                   "metrics": metrics}
@@ -128,8 +126,3 @@ def align_on(dist, params: Params) -> None:
     for s in samples:
         print(f"  Q {s['prompt']!r}\n    before {s['before'][:120]!r}\n    after  {s['after'][:120]!r}")
 
-
-def _pairs_hash(train_pairs: list, val_pairs: list) -> str:
-    from ultrathink.hashing import json_hash
-
-    return json_hash({"train": train_pairs, "val": val_pairs})
