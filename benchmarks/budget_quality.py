@@ -203,9 +203,17 @@ def run_corpus(corpus: str, args, tmp: Path) -> list[dict]:
     held_out = tmp / f"{name}-held_out.txt"
     held_out.write_text(text[cut:], encoding="utf-8")
     baseline = CharBaseline(text[:cut], text[cut:], precision_of(args.overrides))
+    scores: dict[float, dict] = {}  # the baseline's, by seconds: with --match, one run serves every budget
+
+    def baseline_for(budget: str) -> dict:
+        seconds = Budget.parse(args.match or budget).amount
+        if seconds not in scores:
+            scores[seconds] = baseline.run(seconds)
+        return scores[seconds]
+
     rows = []
     for budget in args.budgets:
-        base = None if args.skip_baseline else baseline.run(Budget.parse(args.match or budget).amount)
+        base = None if args.skip_baseline else baseline_for(budget)
         for variant, sets in variants(args):
             for repeat in range(args.repeats):
                 ours = train_and_score(project_for(sets), held_out, budget, args.overrides + sets)
