@@ -41,9 +41,11 @@ class Law:
         seen = sizing.effective_tokens(run.tokens, sweep.corpus_tokens, self.repeat_decay)
         return self.a / run.non_embedding_params ** self.alpha + self.b / seen ** self.beta
 
+    def pick(self, sweep: Sweep) -> Run:
+        return min(sweep.runs, key=lambda r: self.loss(r, sweep))
+
     def regret(self, sweep: Sweep) -> float:
-        picked = min(sweep.runs, key=lambda r: self.loss(r, sweep))
-        return picked.bpb - min(r.bpb for r in sweep.runs)
+        return self.pick(sweep).bpb - min(r.bpb for r in sweep.runs)
 
 
 def fit_law(sweeps: tuple[Sweep, ...]) -> tuple[Law, dict[str, float]]:
@@ -83,11 +85,10 @@ def main() -> None:
         others = SWEEPS[:i] + SWEEPS[i + 1:]
         decay = fit_repeat_decay(others)
         own, _ = fit_law(others)
-        picked = min(sweep.runs, key=lambda r: own.loss(r, sweep))
         totals[0] += sweep.regret(decay)
         totals[1] += own.regret(sweep)
         print(f"{name(sweep)} | R* {decay:g}: {sweep.pick(decay).shape}, {sweep.regret(decay):.4f} | "
-              f"α {own.alpha:.2f} β {own.beta:.2f} R* {own.repeat_decay:.1f}: {picked.shape}, {own.regret(sweep):.4f}")
+              f"α {own.alpha:.2f} β {own.beta:.2f} R* {own.repeat_decay:.1f}: {own.pick(sweep).shape}, {own.regret(sweep):.4f}")
     print(f"total | {totals[0]:.4f} | {totals[1]:.4f}")
 
 
