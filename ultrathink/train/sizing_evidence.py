@@ -46,7 +46,7 @@ class Sweep:
         return self.pick(repeat_decay).bpb - min(r.bpb for r in self.runs)
 
 
-# Rows from two sessions on the same machine (2026-11-24/25); where a shape was run twice, both runs are rows. The
+# Rows from three sessions on the same machine (2026-11-24/25); where a shape was run twice, both runs are rows. The
 # corpora: the first 90% of each (the rest is the held-out text), tokenized by the auto-sized tokenizer.
 PRIDE, SHAKESPEARE, WIKITEXT = 303_755, 489_223, 830_799
 SWEEPS: tuple[Sweep, ...] = (
@@ -64,6 +64,11 @@ SWEEPS: tuple[Sweep, ...] = (
         Run("d192x3", 1_328_832, 2_115_584, 1.7616), Run("d192x3", 1_328_832, 2_134_016, 1.7589))),
     Sweep("WikiText-2 valid+test (2.1 MB, vocab 704)", "12s", WIKITEXT, (
         Run("d128x1", 197_120, 750_592, 2.0121), Run("d192x3", 1_328_832, 144_384, 2.4802))),
+    # 2026-11-25, later: every run here is worse than the 2-minute ones above (7–23 epochs, dropout 0);
+    # the law's pick (d320 × 4) is still the best of the three.
+    Sweep("tiny Shakespeare (1.0 MB, vocab 448)", "10min", SHAKESPEARE, (
+        Run("d320x4", 5_082_432, 3_330_048, 2.2060), Run("d256x4", 2_951_936, 5_320_704, 2.2132),
+        Run("d192x3", 1_328_832, 11_436_032, 2.2422))),
 )
 
 
