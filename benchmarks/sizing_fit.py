@@ -45,7 +45,7 @@ class Law:
         return min(sweep.runs, key=lambda r: self.loss(r, sweep))
 
     def regret(self, sweep: Sweep) -> float:
-        return self.pick(sweep).bpb - min(r.bpb for r in sweep.runs)
+        return sweep.regret_of(self.pick(sweep))
 
 
 def fit_law(sweeps: tuple[Sweep, ...]) -> tuple[Law, dict[str, float]]:

@@ -3,8 +3,8 @@ log-probabilities, the preference data's three JSONL forms and its gate, the emb
 Trainer with a frozen reference, and the preference yardstick."""
 
 import json
-import shutil
 import math
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -149,14 +149,15 @@ def test_full_alignment_trains_every_weight_from_the_model_as_it_started(assets,
     assert all(not torch.equal(trained[k], v) for k, v in original.state_dict().items() if k.endswith("proj.weight"))
 
 
-
 def test_full_alignment_killed_after_a_checkpoint_resumes_to_the_uninterrupted_weights(assets, tmp_path):
     """A run stopped between its step-4 and step-8 checkpoints (the step-8 one never written), started again:
     it resumes at step 4 against the reference of the model as it started, not of the resumed weights, and ends
     on the weights and losses of the run that was never stopped."""
-    params, tokenizer = align_params(tmp_path, method="full", max_steps=8, eval_every=4, lr=1e-3), load_tokenizer(assets / "tokenizer")
+    params = align_params(tmp_path, method="full", max_steps=8, eval_every=4, lr=1e-3)
+    tokenizer = load_tokenizer(assets / "tokenizer")
     pairs = [cat_pair(i) for i in range(16)]
-    base = Base("dir", str(assets), assets / "model", assets / "tokenizer", file_sha256(assets / "model" / "model.safetensors"))
+    base = Base("dir", str(assets), assets / "model", assets / "tokenizer",
+                file_sha256(assets / "model" / "model.safetensors"))
     whole = build(params, base, tokenizer, pairs[:12], pairs[12:], Distributed())[0].trainer
     uninterrupted = whole.fit()
     expected = {k: v.clone() for k, v in whole.model.state_dict().items()}
@@ -164,11 +165,15 @@ def test_full_alignment_killed_after_a_checkpoint_resumes_to_the_uninterrupted_w
     again = build(params, base, tokenizer, pairs[:12], pairs[12:], Distributed())[0].trainer
     assert again.resume() == 4
     resumed = again.fit()
-    losses = lambda result: {h["step"]: h["train_loss"] for h in result.history if "train_loss" in h}  # noqa: E731
+
+    def losses(result) -> dict[int, float]:
+        return {h["step"]: h["train_loss"] for h in result.history if "train_loss" in h}
+
     assert resumed.resumed_from == 4 and set(losses(resumed)) == set(range(1, 9))  # steps 1-4: the checkpoint's
     assert losses(resumed) == pytest.approx(losses(uninterrupted), rel=1e-6)
     state = again.model.state_dict()
     assert all(torch.allclose(state[k], v, rtol=0, atol=1e-6) for k, v in expected.items())
+
 
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))

@@ -43,7 +43,11 @@ class Sweep:
                                                                    self.corpus_tokens, repeat_decay))
 
     def regret(self, repeat_decay: float) -> float:
-        return self.pick(repeat_decay).bpb - min(r.bpb for r in self.runs)
+        return self.regret_of(self.pick(repeat_decay))
+
+    def regret_of(self, run: Run) -> float:
+        """How much worse `run` measured than the sweep's best run (bits per byte)."""
+        return run.bpb - min(r.bpb for r in self.runs)
 
 
 # Rows from three sessions on the same machine (2026-11-24/25); where a shape was run twice, both runs are rows. The
