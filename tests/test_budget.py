@@ -147,6 +147,64 @@ def test_a_near_tie_in_sizing_goes_to_the_cheaper_shape_whatever_the_measured_ra
     assert round_figures(61_234_567.0) == 61_000_000.0 and round_figures(0.0123456) == 0.012
 
 
+def test_dropout_follows_the_epochs_a_budget_buys_and_a_set_value_wins():
+    """model.dropout null: 0 with a manual shape; with size auto, dropout_for's level for the epochs the chosen shape
+    sees — never less for more epochs — and a number set in params.yaml is kept at any budget."""
+    assert Params(model=AUTO_SHAPE).model.dropout == 0.0
+    levels = [sizing.dropout_for(e) for e in (0.5, 1, 3, 5.9, 6, 9, 30, 300)]
+    assert levels == sorted(levels) and levels[0] == 0.0 and levels[-1] > 0
+    auto = ModelConfig(size="auto")
+    few, many = (sizing.choose(auto, 512, 300_000, flops=f) for f in (1e12, 1e15))
+    assert few.epochs < sizing.DROPOUT_FROM_EPOCHS[0][0] <= many.epochs
+    assert (few.dropout, many.dropout) == (0.0, sizing.dropout_for(many.epochs)) and many.dropout > 0
+    for level in (0.0, 0.2):
+        assert sizing.choose(ModelConfig(size="auto", dropout=level), 512, 300_000, flops=1e15).dropout == level
+        assert sizing.choose(ModelConfig(size="auto", dropout=level), 512, 300_000, flops=1e12).dropout == level
+    model, _ = apply_plan(Plan("1e15flops", 10, 1, 64, 1, sizing=many.to_dict()), auto, TrainConfig(budget="1e15flops"))
+    assert model.dropout == many.dropout and model.resolved and "dropout" in many.explain()
+
+
+def test_the_dropout_steps_are_the_ones_the_measured_cells_fit():
+    """DROPOUT_FROM_EPOCHS is fitted to runs of one corpus, budget and shape with and without dropout
+    (sizing_evidence.DROPOUT_CELLS): with it, every cell gets the level that measured best or one within the
+    run-to-run spread; never dropping out (what shipped before) and always dropping out each lose more on some cell."""
+    from ultrathink.train.sizing_evidence import DROPOUT_CELLS, dropout_regret, fit_dropout_steps
+
+    spread = 0.03
+    assert sizing.DROPOUT_FROM_EPOCHS == fit_dropout_steps()
+    assert all(cell.regret(sizing.dropout_for(cell.epochs)) <= spread for cell in DROPOUT_CELLS)
+    assert dropout_regret(sizing.DROPOUT_FROM_EPOCHS) < dropout_regret(())
+    assert any(cell.regret(0.0) > spread for cell in DROPOUT_CELLS)
+    assert any(cell.regret(0.1) > spread for cell in DROPOUT_CELLS)
+
+
+def test_a_time_plan_sizes_without_dropout_then_probes_the_dropout_it_chose():
+    """The shape is sized at the step speed without dropout (what the loss law's runs had) and dropout is chosen
+    from the epochs that speed buys; the run's steps then come from a probe with that dropout, so its slower step
+    is paid for. A dropout set in params.yaml is probed from the first probe on."""
+    train_cfg = TrainConfig(budget="20s", batch_size=None, precision="fp32", attention="torch", eval_batches=2)
+
+    def planned(model_cfg):
+        probed = []
+
+        def probe(model, train, kernel):
+            probed.append(model.dropout)
+            return Probe(step_seconds=0.01 * (1 + model.dropout), first_steps_extra=0.1, eval_seconds=0.05,
+                         save_seconds=0.05, seconds=0.5)
+        return plan_run(model_cfg, train_cfg, 64, _stream(), _stream(2000), "cpu", probe=probe).plan, probed
+
+    plan, probed = planned(ModelConfig(size="auto"))
+    chosen = plan.sizing["dropout"]
+    assert chosen == sizing.dropout_for(plan.sizing["epochs"]) > 0  # 20 s on 20,000 tokens: many epochs
+    assert probed[:-1] == [0.0] * (len(probed) - 1) and probed[-1] == chosen
+    assert plan.probe.step_seconds == pytest.approx(0.01 * (1 + chosen))
+    assert plan.decisions()["dropout"] == chosen and plan.mlflow_params()["plan.model.dropout"] == chosen
+    model, _ = apply_plan(plan, ModelConfig(size="auto"), train_cfg)
+    assert model.dropout == chosen
+    kept, probed = planned(ModelConfig(size="auto", dropout=0.0))
+    assert kept.sizing["dropout"] == 0.0 and set(probed) == {0.0}
+
+
 def test_auto_vocabulary_follows_the_corpus_size(tmp_path):
     assert [auto_vocab_size(n) for n in (10_000, 1_000_000, 10**9, 10**12)] == [320, 512, 15808, 32768]
     texts = [f"line {i} of a small corpus about cats, dogs and number {i * 7}" for i in range(3000)]
@@ -210,10 +268,12 @@ def test_train_stage_spends_a_budget_records_the_plan_and_reuses_it(tmp_path, mo
     assert plan["probe"]["step_seconds"] > 0 and plan["max_steps"] == summary["steps"]
     config = json.loads((project / "artifacts/model/config.json").read_text())["model"]
     assert {k: config[k] for k in sizing.SHAPE_KEYS} == plan["sizing"]["shape"]
+    assert config["dropout"] == plan["sizing"]["dropout"] == sizing.dropout_for(plan["sizing"]["epochs"])
     run = client_for(project).search_runs([client_for(project).get_experiment_by_name("ultrathink").experiment_id])[0]
     assert run.data.params["plan.max_steps"] == str(plan["max_steps"])
     assert run.data.params["train.budget"] == "6s" and run.data.params["model.size"] == "auto"
     assert int(run.data.params["plan.model.d_model"]) == plan["sizing"]["shape"]["d_model"]
+    assert float(run.data.params["plan.model.dropout"]) == config["dropout"]
     # The loss curve has every step's point (sent in batches of log_every).
     assert len(client_for(project).get_metric_history(run.info.run_id, "train_loss")) == plan["max_steps"]
 

@@ -269,9 +269,11 @@ class ModelConfig(Section):
     qk_norm: bool = Field(True, description="RMSNorm on every head's queries and keys before RoPE (Qwen3's "
                           "layout; exported as Qwen3): measured better at equal wall-clock on every corpus "
                           "(benchmarks/README.md); false: Llama's attention")
-    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on attention and on each block's two outputs. "
-                           "Off by default: at equal wall-clock it lost on every corpus measured (it slowed a CPU step "
-                           "by 41% and a short run does not overfit; benchmarks/README.md)")
+    dropout: float | None = Field(None, ge=0, lt=1, description="dropout on attention and on each block's two "
+                                  "outputs. null: 0 with size manual; with size auto, chosen with the shape from the "
+                                  "epochs the budget buys (ultrathink/train/sizing.py: dropout_for): off for a few "
+                                  "passes over the corpus, where it only slows the step, on for many, where the "
+                                  "model overfits without it (benchmarks/README.md)")
     init_std: float = Field(0.02, gt=0)
     moe: MoEConfig = MoEConfig()
     dre: DREConfig = DREConfig()
@@ -280,7 +282,8 @@ class ModelConfig(Section):
     @classmethod
     def _manual_shape(cls, data):
         if isinstance(data, dict) and data.get("size", "manual") == "manual":
-            data = {**data, **{k: v for k, v in MANUAL_SHAPE.items() if data.get(k) is None}}
+            manual = {**MANUAL_SHAPE, "dropout": 0.0}
+            data = {**data, **{k: v for k, v in manual.items() if data.get(k) is None}}
         return data
 
     def set_by_user(self) -> dict[str, object]:
@@ -292,12 +295,13 @@ class ModelConfig(Section):
 
     @property
     def resolved(self) -> bool:
-        """Every shape key has a value (size manual, or size auto after ultrathink/train/sizing.py chose)."""
-        return all(getattr(self, k) is not None for k in MANUAL_SHAPE)
+        """Every shape key and dropout have a value (size manual, or size auto after ultrathink/train/sizing.py
+        chose)."""
+        return all(getattr(self, k) is not None for k in (*MANUAL_SHAPE, "dropout"))
 
     @model_validator(mode="after")
     def _heads_fit(self) -> "ModelConfig":
-        if not self.resolved:
+        if any(getattr(self, k) is None for k in MANUAL_SHAPE):
             return self  # sizing checks the shapes it chooses (with the keys that are set)
         if self.d_model % self.n_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must divide d_model ({self.d_model})")

@@ -113,7 +113,7 @@ class Plan:
         budget's run revises it while training (before the schedule's decay, so the steps taken do not change)."""
         return {"precision": self.precision, "attention": self.attention, "compile": self.compile,
                 "warmup_steps": self.warmup_steps, "shape": self.sizing.get("shape"),
-                "batch_size": self.sizing.get("batch_size")}
+                "batch_size": self.sizing.get("batch_size"), "dropout": self.sizing.get("dropout")}
 
     def summary(self) -> dict:
         """The decisions and the steps taken, without the timings behind them (those stay in the plan book and the
@@ -130,7 +130,8 @@ class Plan:
                            "plan.probe_seconds": round(self.probe.seconds, 2)})
         params.update({f"plan.model.{k}": v for k, v in self.sizing.get("shape", {}).items()})
         if self.sizing:
-            params["plan.batch_size"] = self.sizing["batch_size"]
+            params.update({"plan.batch_size": self.sizing["batch_size"],
+                           "plan.model.dropout": self.sizing.get("dropout")})
         return params
 
 
@@ -143,7 +144,8 @@ def apply_plan(plan: Plan, model_cfg, train_cfg):
 
 
 def _sized(model_cfg, train_cfg, sized):
-    return (model_cfg.model_copy(update={**asdict(sized.shape), "size": "manual"}),
+    dropout = model_cfg.dropout if sized.dropout is None else sized.dropout  # None: a plan from before it was sized
+    return (model_cfg.model_copy(update={**asdict(sized.shape), "dropout": dropout, "size": "manual"}),
             train_cfg.model_copy(update={"batch_size": sized.batch_size}))
 
 
@@ -368,24 +370,35 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
         return kernel, timings, probe(model_cfg, train_cfg, kernel)
 
     sized, probes = None, []
+
+    def probe_unless_last(model_cfg, train_cfg) -> bool:
+        """Probe this configuration unless the last probe was of it; whether it probed."""
+        if probes and probes[-1][0] == (model_cfg, train_cfg.batch_size):
+            return False
+        probes.append(((model_cfg, train_cfg.batch_size), measure(model_cfg, train_cfg)))
+        return True
+
     if model_cfg.size == "auto":
         corpus = len(train_tokens)
         if budget.kind == "seconds":
             # First guess from the device's matmul peak at a typical small-model utilisation, then once more from
             # the step time measured on that guess: the peak's share of it and the rest, which grows with layers ×
-            # width (sizing.StepCost), so shapes that use the device better are seen to.
+            # width (sizing.StepCost), so shapes that use the device better are seen to. Shapes are sized at the
+            # speed without dropout (the law's evidence ran at it, and dropout is chosen from the epochs that speed
+            # buys); the dropout chosen, its own step is probed last.
             peak_rate = (peak or 1e11) * world_size
             cost = sizing.StepCost(round_figures(peak_rate * GUESS_UTILISATION))
+            undropped = {"dropout": model_cfg.dropout or 0.0}
             for _ in range(2):
                 sized = sizing.choose(model_cfg, vocab_size, corpus, seconds=budget.amount, cost=cost,
                                       batch_size=train_cfg.batch_size)
-                shaped = _sized(model_cfg, train_cfg, sized)
-                if probes and probes[-1][0] == (shaped[0], shaped[1].batch_size):
+                shaped_model, shaped_train = _sized(model_cfg, train_cfg, sized)
+                if not probe_unless_last(shaped_model.model_copy(update=undropped), shaped_train):
                     break
-                probes.append(((shaped[0], shaped[1].batch_size), measure(*shaped)))
-                tokens_per_step = shaped[1].batch_size * shaped[1].grad_accum * shaped[0].seq_len
+                tokens_per_step = shaped_train.batch_size * shaped_train.grad_accum * shaped_model.seq_len
                 cost = sizing.StepCost.fitted(round_figures(peak_rate), sized.shape, sized.flops_per_token,
                                               probes[-1][1][2].step_seconds / tokens_per_step)
+            probe_unless_last(*_sized(model_cfg, train_cfg, sized))
         else:
             sized = sizing.choose(model_cfg, vocab_size, corpus, batch_size=train_cfg.batch_size,
                                   **{"flops" if budget.kind == "flops" else "tokens": budget.amount})
@@ -395,7 +408,7 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
     measured = None
     if budget is not None and (budget.kind == "seconds" or train_cfg.compile == "auto"):
         if not probes:
-            probes.append((None, measure(model_cfg, train_cfg)))
+            probe_unless_last(model_cfg, train_cfg)
         last = probes[-1][1][2]
         measured = Probe(last.step_seconds, last.first_steps_extra, last.eval_seconds, last.save_seconds,
                          sum(p[2].seconds for _, p in probes), last.ranks)

@@ -18,6 +18,11 @@ The rule, in three steps:
    (REPEAT_DECAY, from the measured runs in sizing_evidence.py). So a small corpus and a large budget give a larger
    model trained for fewer epochs, rather than 100 passes over the same text.
 
+Dropout (model.dropout null) follows the epochs the chosen shape sees at the step speed without dropout
+(dropout_for): 0 for a few passes over the corpus, where it only slows the step, then the level of the last
+DROPOUT_FROM_EPOCHS step reached, fitted to runs with and without it (sizing_evidence.DROPOUT_CELLS): without it a
+10-minute budget on a 1 MB corpus measured worse than a 2-minute one.
+
 The batch is the one that gives about TARGET_STEPS optimizer steps (a power of two of sequences, at least
 MIN_BATCH): small budgets need many small steps more than large batches. The learning rate is train.lr's.
 
@@ -42,6 +47,11 @@ CHINCHILLA = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
 REPEAT_DECAY = 5.0
 TOKENS_PER_PARAM = 20  # Chinchilla's compute-optimal ratio, used when the budget is in tokens
 TARGET_STEPS = 1000
+# model.dropout null under size auto: (epochs from which, dropout) steps, fitted to runs with and without dropout
+# side by side (sizing_evidence.DROPOUT_CELLS). A few passes do not overfit, and dropout only slows the step (a
+# quarter to 40% on a CPU: at 3.5 epochs it lost 0.06 bits/byte); many passes overfit without it (at 7–12 epochs,
+# 10 minutes without it measured worse than 2; with it, 0.07–0.12 better than without).
+DROPOUT_FROM_EPOCHS = ((4.0, 0.1),)
 # Predicted losses this close (relative) are a tie: the fit cannot tell them apart, and a measured throughput that
 # moves with the machine's load would otherwise pick either. A tie goes to the cheaper shape (fewer FLOPs per
 # token, then fewer parameters): more steps in the same budget.
@@ -102,6 +112,7 @@ class Sizing:
     epochs: float  # tokens / the corpus's training tokens
     predicted_loss: float
     runner_up: dict
+    dropout: float | None = None  # model.dropout's, or dropout_for's choice (None: a plan recorded before it was)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "shape": asdict(self.shape)}
@@ -116,7 +127,7 @@ class Sizing:
                 f"seq_len {s.seq_len}, batch {self.batch_size}: {self.params / 1e6:.2f}M params, "
                 f"{self.tokens / 1e6:.2f}M tokens ({self.epochs:.1f} epochs of the corpus) — the lowest loss "
                 f"Chinchilla's fit predicts for this budget with repeated data discounted (R* {REPEAT_DECAY:g}) "
-                f"(next best: {self.runner_up.get('shape')})")
+                f"(next best: {self.runner_up.get('shape')}); dropout {self.dropout:g}")
 
 
 def effective_tokens(tokens: float, unique: float, repeat_decay: float = REPEAT_DECAY) -> float:
@@ -169,8 +180,14 @@ def _counts(shape: Shape, model_json: str, vocab_size: int) -> tuple[int, int, i
 def counts(shape: Shape, model_cfg, vocab_size: int) -> tuple[int, int, int]:
     """(parameters, non-embedding parameters, training FLOPs per token) of `shape`, from the model itself, built
     on the meta device (no memory, no time)."""
-    cfg = model_cfg.model_copy(update={**asdict(shape), "size": "manual"})
+    cfg = model_cfg.model_copy(update={**asdict(shape), "dropout": 0.0, "size": "manual"})  # counts: no dropout
     return _counts(shape, cfg.model_dump_json(), vocab_size)
+
+
+def dropout_for(epochs: float) -> float:
+    """model.dropout for a run of `epochs` passes over its corpus (at the speed without dropout): the level of the
+    last DROPOUT_FROM_EPOCHS step reached, 0 before the first."""
+    return max((level for start, level in DROPOUT_FROM_EPOCHS if epochs >= start), default=0.0)
 
 
 def batch_for(tokens: float, seq_len: int) -> int:
@@ -201,6 +218,7 @@ def choose(model_cfg, vocab_size: int, corpus_tokens: int, *, flops: float | Non
     chosen = min(tied, key=lambda row: (row[4], row[2], row[0]))
     score, shape, params, non_embedding, per_token, seen = chosen
     runner = next((row for row in scored if row is not chosen), None)
+    epochs = seen / corpus_tokens
+    dropout = model_cfg.dropout if model_cfg.dropout is not None else dropout_for(epochs)
     return Sizing(shape, batch_size or batch_for(seen, shape.seq_len), params, non_embedding, per_token, seen,
-                  seen / corpus_tokens, score,
-                  {"shape": asdict(runner[1]), "score": runner[0]} if runner else {})
+                  epochs, score, {"shape": asdict(runner[1]), "score": runner[0]} if runner else {}, dropout)

@@ -8,6 +8,10 @@ small model seeing many epochs to a larger one seeing fewer; these runs say the 
 step cost (seconds per token of each shape) is measured by the plan's probe, not fitted here: each row's tokens are
 what its shape really saw, so a row judges the loss law alone.
 
+The dropout rule (sizing.DROPOUT_FROM_EPOCHS) is fitted to DROPOUT_CELLS the same way: one corpus, budget and shape
+trained with and without dropout, the rule's regret on a cell being how much worse its level measured than the
+best level there.
+
 A sweep is one corpus and budget. A decay's regret on a sweep is how much worse (bits per byte) the shape the law
 prefers was than the best measured one; `fit_repeat_decay` takes the decay with the least total regret. Versioned
 with the code: add rows (a new corpus, machine class or budget) and tests/test_sizing.py says whether
@@ -16,6 +20,7 @@ REPEAT_DECAY still fits them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ultrathink.train import sizing
@@ -91,3 +96,71 @@ def fit_repeat_decay(sweeps: tuple[Sweep, ...] = SWEEPS) -> float:
     min on tiny Shakespeare, R* 6 fits the measured tokens too, but the predicted ones tip it back to d192 × 2)."""
     best = min(total_regret(d, sweeps) for d in GRID)
     return min(d for d in GRID if total_regret(d, sweeps) <= best + 1e-9)
+
+
+# ---- dropout -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DropoutCell:
+    """One corpus, budget and shape trained for the same seconds with dropout 0 and other levels: `undropped_tokens`
+    are what each run without dropout trained on (its epochs are what sizing.dropout_for sees when it chooses),
+    `bpb` each level's held-out bits per byte, a tuple where the level was run more than once."""
+    corpus: str
+    budget: str
+    shape: str
+    corpus_tokens: int
+    undropped_tokens: tuple[int, ...]
+    bpb: dict[float, tuple[float, ...]]
+    where: str = "2 cores of an AMD EPYC Zen 4 (AVX512-BF16), bf16"
+
+    @property
+    def epochs(self) -> float:
+        return sum(self.undropped_tokens) / len(self.undropped_tokens) / self.corpus_tokens
+
+    def mean(self, level: float) -> float:
+        return sum(self.bpb[level]) / len(self.bpb[level])
+
+    def regret(self, level: float) -> float:
+        """How much worse `level` measured here than the best level (bits per byte); inf where it was not run."""
+        return self.mean(level) - min(self.mean(x) for x in self.bpb) if level in self.bpb else math.inf
+
+
+# Runs of `budget_quality.py --skip-baseline --set model.dropout=X` (2026-11-25), the shape the sizing picked for
+# each; one run per level unless two are listed. WikiText-2 at 10 min: the run with dropout set was sized at its own
+# slower step and got d256 × 3 (the rule now sizes at the speed without dropout, so it would get d320 × 4).
+DROPOUT_CELLS: tuple[DropoutCell, ...] = (
+    DropoutCell("WikiText-2 valid+test (2.1 MB, vocab 704)", "2min", "d192x2", WIKITEXT, (3_104_768, 2_633_728),
+                {0.0: (1.7405, 1.7617), 0.1: (1.8087,)}),
+    DropoutCell("WikiText-2 valid+test (2.1 MB, vocab 704)", "10min", "d320x4 (0.1: d256x3)", WIKITEXT,
+                (3_510_272,), {0.0: (1.6865,), 0.1: (1.6782,)}),
+    DropoutCell("Pride and Prejudice (0.63 MB, vocab 384)", "2min", "d192x2", PRIDE, (2_783_232, 3_051_520),
+                {0.0: (2.1713, 2.1798), 0.1: (2.1391,), 0.2: (2.1811,)}),
+    DropoutCell("tiny Shakespeare (1.0 MB, vocab 448)", "2min", "d192x2", SHAKESPEARE, (3_526_656, 2_850_816),
+                {0.0: (2.2031, 2.1950), 0.1: (2.1998,), 0.2: (2.2489,)}),
+    DropoutCell("tiny Shakespeare (1.0 MB, vocab 448)", "10min", "d320x4", SHAKESPEARE, (3_330_048,),
+                {0.0: (2.2060,), 0.1: (2.1385,), 0.2: (2.1631,)}),
+    DropoutCell("Pride and Prejudice (0.63 MB, vocab 384)", "10min", "d320x4", PRIDE, (3_600_384,),
+                {0.0: (2.2027,), 0.1: (2.0815,), 0.2: (2.0771,)}),
+)
+
+# A total regret this close to the least is a tie: one run per level spreads by 0.01–0.03 bits/byte at 2 min.
+NOISE = 0.01
+# Steps tried: the epochs from which 0.1, and from which 0.2, apply (inf: never).
+EPOCH_GRID = (2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 15.0, 20.0, math.inf)
+
+
+def dropout_regret(steps: tuple[tuple[float, float], ...], cells: tuple[DropoutCell, ...] = DROPOUT_CELLS) -> float:
+    """The total regret of the levels a rule of (epochs from which, dropout) `steps` picks on `cells`."""
+    return sum(cell.regret(max((level for start, level in steps if cell.epochs >= start), default=0.0))
+               for cell in cells)
+
+
+def fit_dropout_steps(cells: tuple[DropoutCell, ...] = DROPOUT_CELLS) -> tuple[tuple[float, float], ...]:
+    """The rule of EPOCH_GRID steps that the runs support: the fewest steps whose total regret on `cells` is within
+    NOISE of the least any rule has (a step that only wins by less than the runs' spread is not evidence), then the
+    least regret, then the latest (dropout slows every step). A level no cell ran at its epochs cannot be chosen."""
+    rules = {tuple(step for step in ((first, 0.1), (second, 0.2)) if step[0] < math.inf)
+             for first in EPOCH_GRID for second in EPOCH_GRID if second >= first}
+    best = min(dropout_regret(rule, cells) for rule in rules)
+    supported = [rule for rule in rules if dropout_regret(rule, cells) <= best + NOISE]
+    return min(supported, key=lambda rule: (len(rule), round(dropout_regret(rule, cells), 9),
+                                            [-start for start, _ in rule]))
