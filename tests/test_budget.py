@@ -147,62 +147,88 @@ def test_a_near_tie_in_sizing_goes_to_the_cheaper_shape_whatever_the_measured_ra
     assert round_figures(61_234_567.0) == 61_000_000.0 and round_figures(0.0123456) == 0.012
 
 
-def test_dropout_follows_the_epochs_a_budget_buys_and_a_set_value_wins():
-    """model.dropout null: 0 with a manual shape; with size auto, dropout_for's level for the epochs the chosen shape
-    sees — never less for more epochs — and a number set in params.yaml is kept at any budget."""
+def test_dropout_is_kept_where_the_law_predicts_it_pays_and_a_set_value_wins():
+    """model.dropout null: 0 with a manual shape; with size auto, sizing.DROPOUT where the tokens it leaves, repeats
+    discounted at DROPOUT_REPEAT_DECAY, are predicted to beat those without it by more than TIE: not for a few
+    passes over the corpus, yes for many, never once a step with it costs too many tokens, and never less for more
+    epochs. A number set in params.yaml is kept at any budget."""
     assert Params(model=AUTO_SHAPE).model.dropout == 0.0
-    levels = [sizing.dropout_for(e) for e in (0.5, 1, 3, 5.9, 6, 9, 30, 300)]
-    assert levels == sorted(levels) and levels[0] == 0.0 and levels[-1] > 0
     auto = ModelConfig(size="auto")
     few, many = (sizing.choose(auto, 512, 300_000, flops=f) for f in (1e12, 1e15))
-    assert few.epochs < sizing.DROPOUT_FROM_EPOCHS[0][0] <= many.epochs
-    assert (few.dropout, many.dropout) == (0.0, sizing.dropout_for(many.epochs)) and many.dropout > 0
+    assert few.epochs < 2 < 10 < many.epochs
+    assert (few.dropout, many.dropout) == (0.0, sizing.DROPOUT)
+    assert many.tokens == pytest.approx(1e15 / many.flops_per_token)  # a FLOPs budget: dropout costs no tokens
+    undropped = sizing.choose(ModelConfig(size="auto", dropout=0.0), 512, 300_000, flops=1e15)
+    assert undropped.shape == many.shape and undropped.dropout == 0.0
+    slower = sizing.with_dropout(undropped, 300_000, slowdown=1.25)
+    assert slower.dropout == sizing.DROPOUT and slower.tokens == pytest.approx(undropped.tokens / 1.25)
+    assert slower.epochs == pytest.approx(slower.tokens / 300_000)
+    assert sizing.with_dropout(undropped, 300_000, slowdown=4.0) == undropped  # too dear: no dropout, same tokens
+    # For one shape and slowdown, more epochs never turn dropout off.
+    kept = [sizing.dropout_pays(undropped.non_embedding_params, e * 300_000, e * 300_000 / 1.3, 300_000)
+            for e in (1, 2, 4, 6, 8, 12, 20, 50)]
+    assert kept == sorted(kept) and not kept[0] and kept[-1]
     for level in (0.0, 0.2):
         assert sizing.choose(ModelConfig(size="auto", dropout=level), 512, 300_000, flops=1e15).dropout == level
         assert sizing.choose(ModelConfig(size="auto", dropout=level), 512, 300_000, flops=1e12).dropout == level
     model, _ = apply_plan(Plan("1e15flops", 10, 1, 64, 1, sizing=many.to_dict()), auto, TrainConfig(budget="1e15flops"))
-    assert model.dropout == many.dropout and model.resolved and "dropout" in many.explain()
+    assert model.dropout == many.dropout and model.resolved and "dropout 0.1" in many.explain()
+    old = {k: v for k, v in many.to_dict().items() if k != "dropout"}  # a plan recorded before dropout was sized
+    assert "dropout" not in sizing.Sizing.from_dict(old).explain()
 
 
-def test_the_dropout_steps_are_the_ones_the_measured_cells_fit():
-    """DROPOUT_FROM_EPOCHS is fitted to runs of one corpus, budget and shape with and without dropout
-    (sizing_evidence.DROPOUT_CELLS): with it, every cell gets the level that measured best or one within the
-    run-to-run spread; never dropping out (what shipped before) and always dropping out each lose more on some cell."""
-    from ultrathink.train.sizing_evidence import DROPOUT_CELLS, dropout_regret, fit_dropout_steps
+def test_dropouts_repeat_discount_is_the_one_the_measured_runs_fit():
+    """DROPOUT_REPEAT_DECAY is fitted to runs of the law's shape with dropout beside runs without it
+    (sizing_evidence.SWEEPS' dropped runs): with it the rule keeps the level that measured better on every sweep
+    within the spread; with a smaller discount it drops dropout where it paid, and with none (R*_D = R*) dropout
+    could never pay, since it only costs tokens."""
+    from ultrathink.train.sizing_evidence import SWEEPS, fit_dropout_decay, total_dropout_regret
 
     spread = 0.03
-    assert sizing.DROPOUT_FROM_EPOCHS == fit_dropout_steps()
-    assert all(cell.regret(sizing.dropout_for(cell.epochs)) <= spread for cell in DROPOUT_CELLS)
-    assert dropout_regret(sizing.DROPOUT_FROM_EPOCHS) < dropout_regret(())
-    assert any(cell.regret(0.0) > spread for cell in DROPOUT_CELLS)
-    assert any(cell.regret(0.1) > spread for cell in DROPOUT_CELLS)
+    assert sizing.DROPOUT_REPEAT_DECAY == fit_dropout_decay()
+    assert all(sweep.dropout_regret(sizing.DROPOUT_REPEAT_DECAY) <= spread for sweep in SWEEPS)
+    assert any(sweep.dropout_regret(sizing.REPEAT_DECAY) > spread for sweep in SWEEPS)
+    assert total_dropout_regret(12.0) > spread
+    # The 2-minute runs, where dropout cost a quarter to a third of the steps, keep it off; 10 minutes on tiny
+    # Shakespeare keeps it on.
+    kept = {(s.corpus.split(" (")[0], s.budget): s.dropout_regret(sizing.DROPOUT_REPEAT_DECAY) == 0 for s in SWEEPS
+            if s.dropped}
+    assert all(kept.values()) and len(kept) >= 4
 
 
-def test_a_time_plan_sizes_without_dropout_then_probes_the_dropout_it_chose():
-    """The shape is sized at the step speed without dropout (what the loss law's runs had) and dropout is chosen
-    from the epochs that speed buys; the run's steps then come from a probe with that dropout, so its slower step
-    is paid for. A dropout set in params.yaml is probed from the first probe on."""
-    train_cfg = TrainConfig(budget="20s", batch_size=None, precision="fp32", attention="torch", eval_batches=2)
-
-    def planned(model_cfg):
+def test_a_time_plan_probes_dropout_where_it_could_pay_and_keeps_it_only_if_it_does():
+    """The shape is sized at the step speed without dropout (what the loss law's runs had); where dropout could
+    pay were it free, its step at that shape is probed and the law decides at the measured slowdown; the run's
+    steps then come from the probe of what was chosen. A dropout set in params.yaml is probed from the first probe
+    on, and a budget too short for dropout to pay probes none."""
+    def planned(model_cfg, budget="20s", cost=0.1):
+        train_cfg = TrainConfig(budget=budget, batch_size=None, precision="fp32", attention="torch", eval_batches=2)
         probed = []
 
         def probe(model, train, kernel):
             probed.append(model.dropout)
-            return Probe(step_seconds=0.01 * (1 + model.dropout), first_steps_extra=0.1, eval_seconds=0.05,
-                         save_seconds=0.05, seconds=0.5)
+            return Probe(step_seconds=0.01 * (1 + cost * model.dropout / sizing.DROPOUT), first_steps_extra=0.1,
+                         eval_seconds=0.05, save_seconds=0.05, seconds=0.5)
         return plan_run(model_cfg, train_cfg, 64, _stream(), _stream(2000), "cpu", probe=probe).plan, probed
 
-    plan, probed = planned(ModelConfig(size="auto"))
-    chosen = plan.sizing["dropout"]
-    assert chosen == sizing.dropout_for(plan.sizing["epochs"]) > 0  # 20 s on 20,000 tokens: many epochs
-    assert probed[:-1] == [0.0] * (len(probed) - 1) and probed[-1] == chosen
-    assert plan.probe.step_seconds == pytest.approx(0.01 * (1 + chosen))
-    assert plan.decisions()["dropout"] == chosen and plan.mlflow_params()["plan.model.dropout"] == chosen
-    model, _ = apply_plan(plan, ModelConfig(size="auto"), train_cfg)
-    assert model.dropout == chosen
+    plan, probed = planned(ModelConfig(size="auto"))  # 20 s on 20,000 tokens: many epochs; dropout 10% dearer
+    assert plan.sizing["dropout"] == sizing.DROPOUT and plan.sizing["epochs"] > 10
+    assert probed[:-1] == [0.0] * (len(probed) - 1) and probed[-1] == sizing.DROPOUT
+    assert plan.probe.step_seconds == pytest.approx(0.011)
+    assert plan.probe.seconds == pytest.approx(0.5 * len(probed))  # the budget pays every probe
+    assert plan.decisions()["dropout"] == sizing.DROPOUT and plan.mlflow_params()["plan.model.dropout"] == 0.1
+    model, train = apply_plan(plan, ModelConfig(size="auto"), TrainConfig(budget="20s", batch_size=None))
+    assert model.dropout == sizing.DROPOUT
+    dear, probed = planned(ModelConfig(size="auto"), cost=4.0)  # a step with dropout 5× as long: it cannot pay
+    assert dear.sizing["dropout"] == 0.0 and probed[-1] == sizing.DROPOUT
+    assert dear.probe.step_seconds == pytest.approx(0.01)  # the steps are the undropped probe's
+    assert apply_plan(dear, ModelConfig(size="auto"), TrainConfig(budget="20s", batch_size=None))[0].dropout == 0.0
+    short, probed = planned(ModelConfig(size="auto"), budget="0.1s")
+    assert short.sizing["dropout"] == 0.0 and set(probed) == {0.0}
     kept, probed = planned(ModelConfig(size="auto", dropout=0.0))
     assert kept.sizing["dropout"] == 0.0 and set(probed) == {0.0}
+    set_high, probed = planned(ModelConfig(size="auto", dropout=0.2))
+    assert set_high.sizing["dropout"] == 0.2 and set(probed) == {0.2}
 
 
 def test_auto_vocabulary_follows_the_corpus_size(tmp_path):
@@ -268,7 +294,7 @@ def test_train_stage_spends_a_budget_records_the_plan_and_reuses_it(tmp_path, mo
     assert plan["probe"]["step_seconds"] > 0 and plan["max_steps"] == summary["steps"]
     config = json.loads((project / "artifacts/model/config.json").read_text())["model"]
     assert {k: config[k] for k in sizing.SHAPE_KEYS} == plan["sizing"]["shape"]
-    assert config["dropout"] == plan["sizing"]["dropout"] == sizing.dropout_for(plan["sizing"]["epochs"])
+    assert config["dropout"] == plan["sizing"]["dropout"] in (0.0, sizing.DROPOUT)
     run = client_for(project).search_runs([client_for(project).get_experiment_by_name("ultrathink").experiment_id])[0]
     assert run.data.params["plan.max_steps"] == str(plan["max_steps"])
     assert run.data.params["train.budget"] == "6s" and run.data.params["model.size"] == "auto"

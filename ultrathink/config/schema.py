@@ -270,10 +270,10 @@ class ModelConfig(Section):
                           "layout; exported as Qwen3): measured better at equal wall-clock on every corpus "
                           "(benchmarks/README.md); false: Llama's attention")
     dropout: float | None = Field(None, ge=0, lt=1, description="dropout on attention and on each block's two "
-                                  "outputs. null: 0 with size manual; with size auto, chosen with the shape from the "
-                                  "epochs the budget buys (ultrathink/train/sizing.py: dropout_for): off for a few "
-                                  "passes over the corpus, where it only slows the step, on for many, where the "
-                                  "model overfits without it (benchmarks/README.md)")
+                                  "outputs. null: 0 with size manual; with size auto, 0.1 where the sizing's loss "
+                                  "law predicts it pays at the chosen shape (ultrathink/train/sizing.py: "
+                                  "with_dropout): off for a few passes over the corpus, where it only costs steps, "
+                                  "on for many, where the model overfits without it (benchmarks/README.md)")
     init_std: float = Field(0.02, gt=0)
     moe: MoEConfig = MoEConfig()
     dre: DREConfig = DREConfig()

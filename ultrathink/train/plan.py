@@ -378,14 +378,23 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
         probes.append(((model_cfg, train_cfg.batch_size), measure(model_cfg, train_cfg)))
         return True
 
+    def probe_last(model_cfg, train_cfg) -> None:
+        """Make this configuration's probe the last one: moved there if it was probed, else probed."""
+        taken = [p for p in probes if p[0] == (model_cfg, train_cfg.batch_size)]
+        if taken:
+            probes.remove(taken[-1])
+            probes.append(taken[-1])
+        else:
+            probe_unless_last(model_cfg, train_cfg)
+
     if model_cfg.size == "auto":
         corpus = len(train_tokens)
         if budget.kind == "seconds":
             # First guess from the device's matmul peak at a typical small-model utilisation, then once more from
             # the step time measured on that guess: the peak's share of it and the rest, which grows with layers ×
             # width (sizing.StepCost), so shapes that use the device better are seen to. Shapes are sized at the
-            # speed without dropout (the law's evidence ran at it, and dropout is chosen from the epochs that speed
-            # buys); the dropout chosen, its own step is probed last.
+            # speed without dropout (the loss law's evidence ran at it); then, where dropout could pay were it free
+            # (model.dropout null), its step at the chosen shape is probed and the law decides at that speed.
             peak_rate = (peak or 1e11) * world_size
             cost = sizing.StepCost(round_figures(peak_rate * GUESS_UTILISATION))
             undropped = {"dropout": model_cfg.dropout or 0.0}
@@ -398,7 +407,11 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
                 tokens_per_step = shaped_train.batch_size * shaped_train.grad_accum * shaped_model.seq_len
                 cost = sizing.StepCost.fitted(round_figures(peak_rate), sized.shape, sized.flops_per_token,
                                               probes[-1][1][2].step_seconds / tokens_per_step)
-            probe_unless_last(*_sized(model_cfg, train_cfg, sized))
+            if model_cfg.dropout is None and sized.dropout:
+                undropped_step = probes[-1][1][2].step_seconds
+                probe_unless_last(*_sized(model_cfg, train_cfg, sized))
+                slowdown = probes[-1][1][2].step_seconds / undropped_step
+                sized = sizing.with_dropout(sized, corpus, slowdown)  # its tokens: still those without dropout
         else:
             sized = sizing.choose(model_cfg, vocab_size, corpus, batch_size=train_cfg.batch_size,
                                   **{"flops" if budget.kind == "flops" else "tokens": budget.amount})
@@ -407,8 +420,7 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
     flops_per_token = sizing.counts(sizing.Shape.of(model_cfg), model_cfg, vocab_size)[2]
     measured = None
     if budget is not None and (budget.kind == "seconds" or train_cfg.compile == "auto"):
-        if not probes:
-            probe_unless_last(model_cfg, train_cfg)
+        probe_last(model_cfg, train_cfg)
         last = probes[-1][1][2]
         measured = Probe(last.step_seconds, last.first_steps_extra, last.eval_seconds, last.save_seconds,
                          sum(p[2].seconds for _, p in probes), last.ranks)

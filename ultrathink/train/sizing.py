@@ -18,10 +18,13 @@ The rule, in three steps:
    (REPEAT_DECAY, from the measured runs in sizing_evidence.py). So a small corpus and a large budget give a larger
    model trained for fewer epochs, rather than 100 passes over the same text.
 
-Dropout (model.dropout null) follows the epochs the chosen shape sees at the step speed without dropout
-(dropout_for): 0 for a few passes over the corpus, where it only slows the step, then the level of the last
-DROPOUT_FROM_EPOCHS step reached, fitted to runs with and without it (sizing_evidence.DROPOUT_CELLS): without it a
-10-minute budget on a 1 MB corpus measured worse than a 2-minute one.
+Dropout (model.dropout null) is DROPOUT or 0, whichever the same law predicts better for the chosen shape
+(dropout_pays). Dropout slows a step (on a CPU it also takes attention off its flash kernel), so it leaves fewer
+tokens; what it buys is repeated tokens that keep more of their worth: with it their repeats are discounted at
+DROPOUT_REPEAT_DECAY, without it at REPEAT_DECAY (both fitted to runs side by side, sizing_evidence.py). A time
+budget's plan measures the slowdown at the chosen shape; a FLOPs or tokens budget is not shortened by it. So a few
+passes over the corpus train without it, where it only costs steps (at 2 min on 0.3–0.8M-token corpora it measured
+0.07–0.08 bits/byte worse), and many passes with it (10 minutes without it measured worse than 2).
 
 The batch is the one that gives about TARGET_STEPS optimizer steps (a power of two of sequences, at least
 MIN_BATCH): small budgets need many small steps more than large batches. The learning rate is train.lr's.
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from ultrathink.config import ModelConfig
@@ -47,11 +50,10 @@ CHINCHILLA = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
 REPEAT_DECAY = 5.0
 TOKENS_PER_PARAM = 20  # Chinchilla's compute-optimal ratio, used when the budget is in tokens
 TARGET_STEPS = 1000
-# model.dropout null under size auto: (epochs from which, dropout) steps, fitted to runs with and without dropout
-# side by side (sizing_evidence.DROPOUT_CELLS). A few passes do not overfit, and dropout only slows the step (a
-# quarter to 40% on a CPU: at 3.5 epochs it lost 0.06 bits/byte); many passes overfit without it (at 7–12 epochs,
-# 10 minutes without it measured worse than 2; with it, 0.07–0.12 better than without).
-DROPOUT_FROM_EPOCHS = ((4.0, 0.1),)
+# model.dropout null under size auto: the level tried (0.2 was never clearly better than 0.1 where dropout paid,
+# benchmarks/README.md), and R*_D with it — fitted to runs with and without it (sizing_evidence.fit_dropout_decay).
+DROPOUT = 0.1
+DROPOUT_REPEAT_DECAY = 15.4
 # Predicted losses this close (relative) are a tie: the fit cannot tell them apart, and a measured throughput that
 # moves with the machine's load would otherwise pick either. A tie goes to the cheaper shape (fewer FLOPs per
 # token, then fewer parameters): more steps in the same budget.
@@ -112,7 +114,7 @@ class Sizing:
     epochs: float  # tokens / the corpus's training tokens
     predicted_loss: float
     runner_up: dict
-    dropout: float | None = None  # model.dropout's, or dropout_for's choice (None: a plan recorded before it was)
+    dropout: float | None = None  # model.dropout's, or with_dropout's choice (None: a plan recorded before either)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "shape": asdict(self.shape)}
@@ -127,7 +129,8 @@ class Sizing:
                 f"seq_len {s.seq_len}, batch {self.batch_size}: {self.params / 1e6:.2f}M params, "
                 f"{self.tokens / 1e6:.2f}M tokens ({self.epochs:.1f} epochs of the corpus) — the lowest loss "
                 f"Chinchilla's fit predicts for this budget with repeated data discounted (R* {REPEAT_DECAY:g}) "
-                f"(next best: {self.runner_up.get('shape')}); dropout {self.dropout:g}")
+                f"(next best: {self.runner_up.get('shape')})"
+                + ("" if self.dropout is None else f"; dropout {self.dropout:g}"))
 
 
 def effective_tokens(tokens: float, unique: float, repeat_decay: float = REPEAT_DECAY) -> float:
@@ -184,10 +187,22 @@ def counts(shape: Shape, model_cfg, vocab_size: int) -> tuple[int, int, int]:
     return _counts(shape, cfg.model_dump_json(), vocab_size)
 
 
-def dropout_for(epochs: float) -> float:
-    """model.dropout for a run of `epochs` passes over its corpus (at the speed without dropout): the level of the
-    last DROPOUT_FROM_EPOCHS step reached, 0 before the first."""
-    return max((level for start, level in DROPOUT_FROM_EPOCHS if epochs >= start), default=0.0)
+def dropout_pays(non_embedding_params: int, tokens: float, dropped_tokens: float, corpus_tokens: int,
+                 dropout_decay: float = DROPOUT_REPEAT_DECAY, repeat_decay: float = REPEAT_DECAY) -> bool:
+    """Whether `dropped_tokens` with dropout (repeats discounted at `dropout_decay`) are predicted to beat `tokens`
+    without it by more than TIE: a tie goes to the faster step."""
+    without = predicted_loss(non_embedding_params, tokens, corpus_tokens, repeat_decay)
+    return predicted_loss(non_embedding_params, dropped_tokens, corpus_tokens, dropout_decay) < without * (1 - TIE)
+
+
+def with_dropout(sized: "Sizing", corpus_tokens: int, slowdown: float = 1.0) -> "Sizing":
+    """`sized` (its tokens at the step speed without dropout) with model.dropout null decided: DROPOUT where it pays
+    when a step with it takes `slowdown`× as long, its tokens and epochs then those of the dropped run; else 0. A
+    slowdown of 1 (dropout free) is the most it can pay: a time budget measures the real one."""
+    dropped = sized.tokens / slowdown
+    if not dropout_pays(sized.non_embedding_params, sized.tokens, dropped, corpus_tokens):
+        return replace(sized, dropout=0.0)
+    return replace(sized, dropout=DROPOUT, tokens=dropped, epochs=dropped / corpus_tokens)
 
 
 def batch_for(tokens: float, seq_len: int) -> int:
@@ -218,7 +233,7 @@ def choose(model_cfg, vocab_size: int, corpus_tokens: int, *, flops: float | Non
     chosen = min(tied, key=lambda row: (row[4], row[2], row[0]))
     score, shape, params, non_embedding, per_token, seen = chosen
     runner = next((row for row in scored if row is not chosen), None)
-    epochs = seen / corpus_tokens
-    dropout = model_cfg.dropout if model_cfg.dropout is not None else dropout_for(epochs)
-    return Sizing(shape, batch_size or batch_for(seen, shape.seq_len), params, non_embedding, per_token, seen,
-                  epochs, score, {"shape": asdict(runner[1]), "score": runner[0]} if runner else {}, dropout)
+    sized = Sizing(shape, batch_size or batch_for(seen, shape.seq_len), params, non_embedding, per_token, seen,
+                   seen / corpus_tokens, score, {"shape": asdict(runner[1]), "score": runner[0]} if runner else {},
+                   model_cfg.dropout)
+    return sized if model_cfg.dropout is not None else with_dropout(sized, corpus_tokens)
