@@ -82,6 +82,7 @@ def train_and_score(project: Path, held_out: Path, budget: str, overrides: list[
             "corpus_tokens": corpus_tokens,
             "params": summary["params"], "vocab": config["vocab_size"], "non_embedding_params": non_embedding,
             "tokens": summary["steps"] * summary["plan"]["tokens_per_step"], "shape": asdict(shape),
+            "dropout": model.dropout,
             "sizing": sizing_line.split("model.size auto:")[-1].split(" — ")[0].strip()}
 
 
@@ -232,7 +233,7 @@ def row_line(row: dict) -> str:
     if base:
         line += (f"  nanoGPT {base['bpb']:.4f} ({base['seconds']:.0f} s, {base['iterations']} it)  "
                  f"ratio {ours['bpb'] / base['bpb']:.3f}")
-    return line + f"  [{ours['sizing']}]"
+    return line + f"  [{ours['sizing']}; dropout {ours['dropout']:g}]"
 
 
 def summary(rows: list[dict]) -> None:
