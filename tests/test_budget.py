@@ -168,6 +168,10 @@ def test_dropout_is_kept_where_the_law_predicts_it_pays_and_a_set_value_wins():
     kept = [sizing.dropout_pays(undropped.non_embedding_params, e * 300_000, e * 300_000 / 1.3, 300_000)
             for e in (1, 2, 4, 6, 8, 12, 20, 50)]
     assert kept == sorted(kept) and not kept[0] and kept[-1]
+    # A model with few parameters per unique token never keeps it, however many epochs (it did not overfit enough).
+    small = 0.9 * sizing.DROPOUT_MIN_PARAMS_PER_TOKEN * 300_000
+    assert not any(sizing.dropout_pays(small, e * 300_000, e * 300_000, 300_000) for e in (2, 10, 100))
+    assert sizing.dropout_pays(small, 10 * 300_000, 10 * 300_000, 300_000, min_params_per_token=0.0)
     for level in (0.0, 0.2):
         assert sizing.choose(ModelConfig(size="auto", dropout=level), 512, 300_000, flops=1e15).dropout == level
         assert sizing.choose(ModelConfig(size="auto", dropout=level), 512, 300_000, flops=1e12).dropout == level
@@ -178,17 +182,23 @@ def test_dropout_is_kept_where_the_law_predicts_it_pays_and_a_set_value_wins():
 
 
 def test_dropouts_repeat_discount_is_the_one_the_measured_runs_fit():
-    """DROPOUT_REPEAT_DECAY is fitted to runs of the law's shape with dropout beside runs without it
-    (sizing_evidence.SWEEPS' dropped runs): with it the rule keeps the level that measured better on every sweep
-    within the spread; with a smaller discount it drops dropout where it paid, and with none (R*_D = R*) dropout
-    could never pay, since it only costs tokens."""
-    from ultrathink.train.sizing_evidence import SWEEPS, fit_dropout_decay, total_dropout_regret
+    """DROPOUT_REPEAT_DECAY and DROPOUT_MIN_PARAMS_PER_TOKEN are fitted to runs of the law's shape with dropout
+    beside runs without it (sizing_evidence.SWEEPS' dropped runs): with them the rule keeps the level that measured
+    better on every sweep; with a smaller discount it drops dropout where it paid, with none (R*_D = R*) dropout could
+    never pay, since it only costs tokens, and without the threshold the law keeps it on a small model where it
+    measured worse."""
+    from ultrathink.train.sizing_evidence import (SWEEPS, fit_dropout_decay, fit_dropout_threshold,
+                                                  total_dropout_regret)
 
     spread = 0.03
     assert sizing.DROPOUT_REPEAT_DECAY == fit_dropout_decay()
-    assert all(sweep.dropout_regret(sizing.DROPOUT_REPEAT_DECAY) <= spread for sweep in SWEEPS)
+    assert sizing.DROPOUT_MIN_PARAMS_PER_TOKEN == fit_dropout_threshold()
+    assert all(sweep.dropout_regret(sizing.DROPOUT_REPEAT_DECAY) == 0 for sweep in SWEEPS)
     assert any(sweep.dropout_regret(sizing.REPEAT_DECAY) > spread for sweep in SWEEPS)
     assert total_dropout_regret(12.0) > spread
+    assert any(sweep.dropout_regret(sizing.DROPOUT_REPEAT_DECAY, min_params_per_token=0.0) > 0 for sweep in SWEEPS)
+    better = [(s.params_per_token(), s.dropout_measured_better()) for s in SWEEPS if s.dropped]
+    assert all((p >= sizing.DROPOUT_MIN_PARAMS_PER_TOKEN) == b for p, b in better)
     # The 2-minute runs, where dropout cost a quarter to a third of the steps, keep it off; 10 minutes on tiny
     # Shakespeare keeps it on.
     kept = {(s.corpus.split(" (")[0], s.budget): s.dropout_regret(sizing.DROPOUT_REPEAT_DECAY) == 0 for s in SWEEPS

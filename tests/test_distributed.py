@@ -350,11 +350,12 @@ def test_each_variant_alone_trains_on_every_backend_like_one_process(variant_sin
 
 def test_a_time_budget_is_planned_once_by_rank_0_and_both_ranks_take_its_steps(tmp_path):
     """Rank 0 sizes and plans, and both ranks probe together (the probe's steps and checkpoint pay the run's
-    collectives); the plan reaches rank 1 through one broadcast, so both train the same steps of the same shape
-    (DDP checks at every checkpoint that their weights agree)."""
+    collectives; model.dropout null: its step too, where it could pay); the plan reaches rank 1 through one
+    broadcast, so both train the same steps of the same shape and dropout (DDP checks at every checkpoint that their
+    weights agree)."""
     base = tiny_project(tmp_path, "budget")
     params = yaml.safe_load((base / "params.yaml").read_text())
-    params["model"] = {"size": "auto", "dropout": 0.0}
+    params["model"] = {"size": "auto", "dropout": None}
     params["train"].update({"budget": "6s", "batch_size": None, "threads": 1, "attention": "torch",
                             "checkpoint_every": 40, "eval_every": 40})
     (base / "params.yaml").write_text(yaml.safe_dump(params))
@@ -369,4 +370,4 @@ def test_a_time_budget_is_planned_once_by_rank_0_and_both_ranks_take_its_steps(t
     shape = plan["sizing"]["shape"]
     assert plan["tokens_per_step"] == plan["sizing"]["batch_size"] * shape["seq_len"]
     config = json.loads((base / "model" / "config.json").read_text())["model"]
-    assert {k: config[k] for k in shape} == shape
+    assert {k: config[k] for k in shape} == shape and config["dropout"] == plan["sizing"]["dropout"]

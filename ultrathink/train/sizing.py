@@ -21,10 +21,12 @@ The rule, in three steps:
 Dropout (model.dropout null) is DROPOUT or 0, whichever the same law predicts better for the chosen shape
 (dropout_pays). Dropout slows a step (on a CPU it also takes attention off its flash kernel), so it leaves fewer
 tokens; what it buys is repeated tokens that keep more of their worth: with it their repeats are discounted at
-DROPOUT_REPEAT_DECAY, without it at REPEAT_DECAY (both fitted to runs side by side, sizing_evidence.py). A time
-budget's plan measures the slowdown at the chosen shape; a FLOPs or tokens budget is not shortened by it. So a few
-passes over the corpus train without it, where it only costs steps (at 2 min on 0.3–0.8M-token corpora it measured
-0.07–0.08 bits/byte worse), and many passes with it (10 minutes without it measured worse than 2).
+DROPOUT_REPEAT_DECAY, without it at REPEAT_DECAY. A time budget's plan measures the slowdown at the chosen shape;
+a FLOPs or tokens budget is not shortened by it. The law has no term for how much a model overfits, so dropout is
+also kept only for models with many parameters per unique token (DROPOUT_MIN_PARAMS_PER_TOKEN). Both constants
+are fitted to runs side by side (sizing_evidence.py): the 2-minute models (1–6 parameters per token) measured
+0.04–0.08 bits/byte worse with it at 3.5–7 epochs, the 10-minute ones (10–21) 0.07–0.11 better, where without it
+10 minutes measured worse than 2.
 
 The batch is the one that gives about TARGET_STEPS optimizer steps (a power of two of sequences, at least
 MIN_BATCH): small budgets need many small steps more than large batches. The learning rate is train.lr's.
@@ -54,6 +56,10 @@ TARGET_STEPS = 1000
 # benchmarks/README.md), and R*_D with it — fitted to runs with and without it (sizing_evidence.fit_dropout_decay).
 DROPOUT = 0.1
 DROPOUT_REPEAT_DECAY = 15.4
+# ... and only for a model of at least this many non-embedding parameters per unique training token: below it the
+# models measured did not overfit enough for dropout to pay even where the law said it would (0.9M parameters on
+# 0.3M tokens, 7 epochs, dropout 1.26× slower: 0.04 bits/byte worse; sizing_evidence.fit_dropout_threshold).
+DROPOUT_MIN_PARAMS_PER_TOKEN = 7.9
 # Predicted losses this close (relative) are a tie: the fit cannot tell them apart, and a measured throughput that
 # moves with the machine's load would otherwise pick either. A tie goes to the cheaper shape (fewer FLOPs per
 # token, then fewer parameters): more steps in the same budget.
@@ -188,9 +194,14 @@ def counts(shape: Shape, model_cfg, vocab_size: int) -> tuple[int, int, int]:
 
 
 def dropout_pays(non_embedding_params: int, tokens: float, dropped_tokens: float, corpus_tokens: int,
-                 dropout_decay: float = DROPOUT_REPEAT_DECAY, repeat_decay: float = REPEAT_DECAY) -> bool:
-    """Whether `dropped_tokens` with dropout (repeats discounted at `dropout_decay`) are predicted to beat `tokens`
-    without it by more than TIE: a tie goes to the faster step."""
+                 dropout_decay: float = DROPOUT_REPEAT_DECAY,
+                 min_params_per_token: float = DROPOUT_MIN_PARAMS_PER_TOKEN,
+                 repeat_decay: float = REPEAT_DECAY) -> bool:
+    """Whether dropout is predicted to pay: the model has `min_params_per_token` non-embedding parameters per unique
+    training token or more, and `dropped_tokens` with dropout (repeats discounted at `dropout_decay`) are predicted
+    to beat `tokens` without it by more than TIE: a tie goes to the faster step."""
+    if non_embedding_params < min_params_per_token * corpus_tokens:
+        return False
     without = predicted_loss(non_embedding_params, tokens, corpus_tokens, repeat_decay)
     return predicted_loss(non_embedding_params, dropped_tokens, corpus_tokens, dropout_decay) < without * (1 - TIE)
 

@@ -57,17 +57,36 @@ class Sweep:
         """How much worse `run` measured than the sweep's best run without dropout (bits per byte)."""
         return run.bpb - min(r.bpb for r in self.runs)
 
-    def dropout_regret(self, dropout_decay: float, repeat_decay: float = sizing.REPEAT_DECAY) -> float:
-        """At the shape the law picks, how much worse the level sizing.dropout_pays keeps (with `dropout_decay`)
-        measured than the other (means over a level's runs); 0 where that shape was not run with dropout."""
+    def at_pick(self, repeat_decay: float = sizing.REPEAT_DECAY) -> tuple[tuple[Run, ...], tuple[Run, ...]]:
+        """The runs without and with dropout of the shape the law picks."""
         shape = self.pick(repeat_decay).shape
-        levels = [[r for r in runs if r.shape == shape] for runs in (self.runs, self.dropped)]
-        if not levels[1]:
+        return tuple(r for r in self.runs if r.shape == shape), tuple(r for r in self.dropped if r.shape == shape)
+
+    def dropout_measured_better(self) -> bool | None:
+        """Whether dropout measured better at the law's shape (mean bits per byte); None where it was not run."""
+        undropped, dropped = self.at_pick()
+        return _mean(dropped, "bpb") < _mean(undropped, "bpb") if dropped else None
+
+    def params_per_token(self) -> float:
+        """Non-embedding parameters of the law's shape per unique training token."""
+        return self.pick(sizing.REPEAT_DECAY).non_embedding_params / self.corpus_tokens
+
+    def dropout_regret(self, dropout_decay: float,
+                       min_params_per_token: float = sizing.DROPOUT_MIN_PARAMS_PER_TOKEN) -> float:
+        """At the law's shape, how much worse the level sizing.dropout_pays keeps measured than the better level
+        (each level's mean), averaged over the runs with dropout: each is one draw of the slowdown a plan would
+        measure (its tokens against the mean tokens without it). 0 where the shape was not run with dropout."""
+        undropped, dropped = self.at_pick()
+        if not dropped:
             return 0.0
-        tokens, bpb = ([sum(getattr(r, key) for r in runs) / len(runs) for runs in levels] for key in ("tokens", "bpb"))
-        kept = sizing.dropout_pays(levels[0][0].non_embedding_params, tokens[0], tokens[1], self.corpus_tokens,
-                                   dropout_decay, repeat_decay)
-        return bpb[kept] - min(bpb)
+        without, with_ = _mean(undropped, "bpb"), _mean(dropped, "bpb")
+        kept = [sizing.dropout_pays(r.non_embedding_params, _mean(undropped, "tokens"), r.tokens, self.corpus_tokens,
+                                    dropout_decay, min_params_per_token) for r in dropped]
+        return sum((with_ if k else without) - min(without, with_) for k in kept) / len(kept)
+
+
+def _mean(runs: tuple[Run, ...], field: str) -> float:
+    return sum(getattr(r, field) for r in runs) / len(runs)
 
 
 # Rows from three sessions on the same machine (2026-11-24/25); where a shape was run twice, both runs are rows. The
@@ -102,6 +121,10 @@ SWEEPS: tuple[Sweep, ...] = (
     Sweep("Pride and Prejudice, ntoll's copy (0.62 MB, vocab 384)", "2min", PRIDE_NTOLL, (
         Run("d192x4", 1_771_712, 1_656_832, 1.6470),),
         dropped=(Run("d192x4", 1_771_712, 1_050_624, 1.7205),)),
+    Sweep("Pride and Prejudice, ntoll's copy (0.62 MB, vocab 384)", "2min", PRIDE_NTOLL, (
+        Run("d192x2", 885_952, 2_033_664, 1.6586),),
+        dropped=(Run("d192x2", 885_952, 1_331_200, 1.7327), Run("d192x2", 885_952, 1_615_872, 1.7016)),
+        where="2 cores of an AMD EPYC Zen 4 (AVX512-BF16), fp32"),
     Sweep("Pride and Prejudice, ntoll's copy (0.62 MB, vocab 384)", "10min", PRIDE_NTOLL, (
         Run("d320x5", 6_352_960, 2_752_512, 1.7114),),
         dropped=(Run("d320x5", 6_352_960, 1_998_848, 1.6040),)),
@@ -138,3 +161,16 @@ def fit_dropout_decay(sweeps: tuple[Sweep, ...] = SWEEPS) -> float:
     as far as the runs say it pays: it slows every step)."""
     best = min(total_dropout_regret(d, sweeps) for d in DROPOUT_GRID)
     return min(d for d in DROPOUT_GRID if total_dropout_regret(d, sweeps) <= best + 1e-9)
+
+
+def fit_dropout_threshold(sweeps: tuple[Sweep, ...] = SWEEPS) -> float:
+    """Non-embedding parameters per unique token from which dropout may be kept: the geometric middle of the gap
+    between the most per token at which dropout measured worse and the fewest at which it measured better (2
+    figures), so neither side's nearest run sets it. Raises where the runs do not separate."""
+    measured = [(s.params_per_token(), s.dropout_measured_better()) for s in sweeps]
+    worse = max(p for p, better in measured if better is False)
+    better = min(p for p, better in measured if better)
+    if worse >= better:
+        raise ValueError(f"dropout measured worse at {worse:.1f} parameters per token, better at {better:.1f}: "
+                         "no threshold separates them")
+    return sizing.round_figures(math.sqrt(worse * better))
