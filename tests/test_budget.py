@@ -233,6 +233,9 @@ def test_a_time_plan_probes_dropout_where_it_could_pay_and_keeps_it_only_if_it_d
     assert dear.sizing["dropout"] == 0.0 and probed[-1] == sizing.DROPOUT
     assert dear.probe.step_seconds == pytest.approx(0.01)  # the steps are the undropped probe's
     assert apply_plan(dear, ModelConfig(size="auto"), TrainConfig(budget="20s", batch_size=None))[0].dropout == 0.0
+    noisy, _ = planned(ModelConfig(size="auto"), cost=-0.5)  # measured faster with dropout: noise, taken as 1×
+    assert noisy.sizing["dropout"] == sizing.DROPOUT
+    assert noisy.sizing["tokens"] == pytest.approx(plan.sizing["tokens"] * 1.1)  # not more than without dropout
     short, probed = planned(ModelConfig(size="auto"), budget="0.1s")
     assert short.sizing["dropout"] == 0.0 and set(probed) == {0.0}
     kept, probed = planned(ModelConfig(size="auto", dropout=0.0))
