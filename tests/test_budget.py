@@ -164,6 +164,7 @@ def test_dropout_is_kept_where_the_law_predicts_it_pays_and_a_set_value_wins():
     assert slower.dropout == sizing.DROPOUT and slower.tokens == pytest.approx(undropped.tokens / 1.25)
     assert slower.epochs == pytest.approx(slower.tokens / 300_000)
     assert sizing.with_dropout(undropped, 300_000, slowdown=4.0) == undropped  # too dear: no dropout, same tokens
+    assert sizing.with_dropout(undropped, 300_000, slowdown=0.8).tokens == undropped.tokens  # faster: noise, 1×
     # For one shape and slowdown, more epochs never turn dropout off.
     kept = [sizing.dropout_pays(undropped.non_embedding_params, e * 300_000, e * 300_000 / 1.3, 300_000)
             for e in (1, 2, 4, 6, 8, 12, 20, 50)]

@@ -410,8 +410,7 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
             if model_cfg.dropout is None and sized.dropout:
                 undropped_step = probes[-1][1][2].step_seconds
                 probe_unless_last(*_sized(model_cfg, train_cfg, sized))
-                # A step with dropout does more work: a probe that measured it faster measured noise.
-                slowdown = max(1.0, probes[-1][1][2].step_seconds / undropped_step)
+                slowdown = probes[-1][1][2].step_seconds / undropped_step
                 sized = sizing.with_dropout(sized, corpus, slowdown)  # its tokens: still those without dropout
                 log.info("model.dropout null: a step with dropout %g measured %.2f× as long at this shape; %s",
                          sizing.DROPOUT, slowdown, "kept" if sized.dropout else "predicted not to pay: 0")

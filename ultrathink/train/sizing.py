@@ -209,8 +209,9 @@ def dropout_pays(non_embedding_params: int, tokens: float, dropped_tokens: float
 def with_dropout(sized: "Sizing", corpus_tokens: int, slowdown: float = 1.0) -> "Sizing":
     """`sized` (its tokens at the step speed without dropout) with model.dropout null decided: DROPOUT where it pays
     when a step with it takes `slowdown`× as long, its tokens and epochs then those of the dropped run; else 0. A
-    slowdown of 1 (dropout free) is the most it can pay: a time budget measures the real one."""
-    dropped = sized.tokens / slowdown
+    slowdown of 1 (dropout free) is the most it can pay: a time budget measures the real one (a step with dropout
+    does more work, so a measured slowdown below 1 is noise and counts as 1)."""
+    dropped = sized.tokens / max(1.0, slowdown)
     if not dropout_pays(sized.non_embedding_params, sized.tokens, dropped, corpus_tokens):
         return replace(sized, dropout=0.0)
     return replace(sized, dropout=DROPOUT, tokens=dropped, epochs=dropped / corpus_tokens)
