@@ -33,16 +33,19 @@ class AttentionKernel:
     backend: str = "torch"  # torch (SDPA's own choice) | flash | math
     fp32: bool = True  # on a CPU under bf16 autocast: attention in fp32, outside autocast (GPUs ignore it)
 
-    @contextlib.contextmanager
-    def scope(self, q: torch.Tensor):
-        """Around one SDPA call on q's device: the backend, and a cast for q, k and v."""
-        upcast = self.fp32 and q.device.type == "cpu" and q.dtype == torch.bfloat16
-        with contextlib.ExitStack() as stack:
-            if upcast:
-                stack.enter_context(torch.autocast("cpu", enabled=False))
-            if self.backend in _BACKENDS:
-                stack.enter_context(sdpa_kernel(_BACKENDS[self.backend]))
-            yield (lambda t: t.float()) if upcast else (lambda t: t)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **sdpa) -> torch.Tensor:
+        """F.scaled_dot_product_attention(q, k, v, **sdpa) with this backend, in fp32 where this kernel says so;
+        the result in q's dtype. Plain `with` blocks, no ExitStack: torch.compile traces them, where entering
+        autocast through an ExitStack broke the compiled graph at every attention call."""
+        dtype = q.dtype
+        if self.fp32 and q.device.type == "cpu" and dtype == torch.bfloat16:
+            with torch.autocast("cpu", enabled=False), self.backend_scope():
+                return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **sdpa).to(dtype)
+        with self.backend_scope():
+            return F.scaled_dot_product_attention(q, k, v, **sdpa).to(dtype)
+
+    def backend_scope(self):
+        return sdpa_kernel(_BACKENDS[self.backend]) if self.backend in _BACKENDS else contextlib.nullcontext()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -129,9 +132,7 @@ def _time_once(option, q, k, v, grad, dropout, autocast_dtype, device) -> float:
     started = time.perf_counter()
     with torch.random.fork_rng(devices=[torch.device(device).index or 0] if is_cuda(device) else []):
         with torch.autocast(device_type(device), dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            with option.scope(q) as cast:
-                y = F.scaled_dot_product_attention(cast(q), cast(k), cast(v), is_causal=True, dropout_p=dropout,
-                                                   enable_gqa=q.shape[1] != k.shape[1])
+            y = option.attend(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=q.shape[1] != k.shape[1])
         y.backward(grad.to(y.dtype))
     if is_cuda(device):
         torch.cuda.synchronize(device)

@@ -158,11 +158,9 @@ class Attention(nn.Module):
 
     def mix(self, q, k, v, mask=None, causal: bool = False) -> torch.Tensor:
         """Scaled dot-product attention over (B, heads, T, head_dim) queries, keys and values."""
-        with self.kernel.scope(q) as cast:
-            return F.scaled_dot_product_attention(
-                cast(q), cast(k), cast(v), attn_mask=mask, is_causal=causal,
-                dropout_p=self.dropout if self.training else 0.0, enable_gqa=self.n_kv_heads != self.n_heads,
-            ).to(q.dtype)
+        return self.kernel.attend(q, k, v, attn_mask=mask, is_causal=causal,
+                                  dropout_p=self.dropout if self.training else 0.0,
+                                  enable_gqa=self.n_kv_heads != self.n_heads)
 
 
 class SwiGLU(nn.Module):
