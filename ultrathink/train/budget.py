@@ -124,7 +124,8 @@ def _shared_temp_dir(dist: Distributed):
 
 
 # train.compile auto compiles a run whose eager training is measured to take at least this long: torch.compile
-# costs 20-40 s on a CPU for these models (benchmarks/train_throughput.py) and made the step 1.6× faster there.
+# costs 34-40 s on a 2-core CPU for these models with an empty inductor cache and makes the step 1.1-1.45×
+# faster, least at the larger shapes long budgets pick: it pays after ~110-440 s (benchmarks/README.md).
 COMPILE_PAYS_AFTER_SECONDS = 600
 
 
