@@ -57,9 +57,9 @@ class Sweep:
         """How much worse `run` measured than the sweep's best run without dropout (bits per byte)."""
         return run.bpb - min(r.bpb for r in self.runs)
 
-    def at_pick(self, repeat_decay: float = sizing.REPEAT_DECAY) -> tuple[tuple[Run, ...], tuple[Run, ...]]:
+    def at_pick(self) -> tuple[tuple[Run, ...], tuple[Run, ...]]:
         """The runs without and with dropout of the shape the law picks."""
-        shape = self.pick(repeat_decay).shape
+        shape = self.pick(sizing.REPEAT_DECAY).shape
         return tuple(r for r in self.runs if r.shape == shape), tuple(r for r in self.dropped if r.shape == shape)
 
     def dropout_measured_better(self) -> bool | None:
@@ -69,7 +69,7 @@ class Sweep:
 
     def params_per_token(self) -> float:
         """Non-embedding parameters of the law's shape per unique training token."""
-        return self.pick(sizing.REPEAT_DECAY).non_embedding_params / self.corpus_tokens
+        return self.at_pick()[0][0].non_embedding_params / self.corpus_tokens
 
     def dropout_regret(self, dropout_decay: float,
                        min_params_per_token: float = sizing.DROPOUT_MIN_PARAMS_PER_TOKEN) -> float:
