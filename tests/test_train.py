@@ -8,7 +8,7 @@ import torch
 from ultrathink.config import ModelConfig, TrainConfig
 from ultrathink.evaluate import bits_per_byte, unigram_cross_entropy
 from ultrathink.model import UltraThink
-from ultrathink.model.kernels import candidates, label
+from ultrathink.model.kernels import AttentionKernel, candidates, label
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.loader import BatchLayout, BatchSplitError, TokenWindows, eval_batches
 from ultrathink.train.optim import param_groups
@@ -376,18 +376,24 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
 
 
-@pytest.mark.parametrize("kernel", candidates("auto", "cpu", torch.bfloat16), ids=label)
-def test_the_dense_model_traces_to_one_graph_with_every_attention_kernel(kernel):
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize(("device", "kernel"), [
+    *(("cpu", kernel) for kernel in candidates("auto", "cpu", torch.bfloat16)),
+    *(pytest.param("cuda", kernel, marks=NEEDS_CUDA) for kernel in candidates("auto", "cuda", torch.bfloat16))],
+    ids=lambda value: label(value) if isinstance(value, AttentionKernel) else value)
+def test_the_dense_model_traces_to_one_graph_with_every_attention_kernel(device, kernel):
     """What train.compile fuses is one graph per step: a graph break splits the fusion at every layer. Entering
     autocast through an ExitStack (the fp32 attention kernel's old scope) broke it at each attention call, and the
     compiled step was 0.89x GPT-2's compiled step instead of 1.10x (benchmarks/README.md)."""
     torch.manual_seed(0)
-    model = UltraThink(MODEL.model_copy(update={"dropout": 0.0}), 64)
+    model = UltraThink(MODEL.model_copy(update={"dropout": 0.0}), 64).to(device)
     model.use_attention(kernel)
-    tokens = torch.randint(0, 64, (2, MODEL.seq_len))
+    tokens = torch.randint(0, 64, (2, MODEL.seq_len), device=device)
 
     def loss(idx):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             return model(idx, idx).loss
 
     try:
