@@ -13,7 +13,7 @@ from e2e_helpers import client_for, make_project, set_params, sh
 from ultrathink.config import Budget, ModelConfig, Params, ParamsError, TokenizerConfig, TrainConfig, load_params
 from ultrathink.tokenizer import auto_vocab_size, load_tokenizer, train_tokenizer
 from ultrathink.train import sizing
-from ultrathink.train.budget import Probe, steps_for, warmup_for
+from ultrathink.train.budget import COMPILE_PAYS_AFTER_SECONDS, Probe, compile_pays, steps_for, warmup_for
 from ultrathink.train.plan import Plan, apply_plan, plan_run
 
 AUTO_SHAPE = {k: None for k in sizing.SHAPE_KEYS}
@@ -59,6 +59,24 @@ def test_a_time_budget_pays_for_probe_first_steps_validation_and_checkpoints():
     # 60 s − 2 (probe) − 1 (first steps) − 0.5 − 0.4 (final validation and checkpoint) = 56.1 s left,
     # each step 0.1 + 0.5/10 + 0.4/20 = 0.17 s → 330 steps.
     assert steps_for(Budget.parse("1min"), 128, 50, cfg, probe) == 330
+
+
+def test_compile_auto_compiles_once_the_measured_eager_run_outlasts_what_a_compile_costs_on_the_device():
+    """On a GPU a cold compile cost 14-38 s and made the step 1.6-1.9x faster (H200); on a 2-core CPU 34-40 s for
+    1.1-1.45x (benchmarks/README.md): three minutes of eager steps compile on a GPU and not on a CPU."""
+    auto, dense = TrainConfig(budget="5min"), ModelConfig()
+    probe = Probe(step_seconds=0.1, first_steps_extra=1.0, eval_seconds=0.5, save_seconds=0.4, seconds=2.0)
+    assert COMPILE_PAYS_AFTER_SECONDS == {"cpu": 600, "cuda": 120}
+    assert [compile_pays(auto, dense, 1800, probe, device) for device in ("cuda", "cuda:1", "cpu", "mps")] == \
+        [True, True, False, False]  # 180 s of eager steps; a device type without figures goes by the CPU's
+    assert [compile_pays(auto, dense, steps, probe, "cuda") for steps in (1199, 1200)] == [False, True]
+    assert [compile_pays(auto, dense, steps, probe, "cpu") for steps in (5999, 6000)] == [False, True]
+    assert not compile_pays(auto, dense, 10**6, None, "cuda")  # nothing measured, nothing decided: eager
+    # Kept as set; never for routing variants (their shapes change every step) nor under DeepSpeed.
+    assert compile_pays(TrainConfig(compile=True), dense, 1, probe, "cpu")
+    assert not compile_pays(TrainConfig(compile=False), dense, 10**6, probe, "cuda")
+    assert not compile_pays(auto, ModelConfig(moe={"enabled": True}), 10**6, probe, "cuda")
+    assert not compile_pays(auto.model_copy(update={"backend": "deepspeed"}), dense, 10**6, probe, "cuda")
 
 
 def test_warmup_follows_the_steps_when_given_as_a_fraction():

@@ -378,8 +378,8 @@ class TrainConfig(Section):
         False, description="recompute each block's activations in backward: less memory, ~1/3 more compute")
     compile: bool | Literal["auto"] = Field(
         "auto", description="torch.compile the model for training (the first steps pay the compile); auto: only "
-        "with a train.budget whose measured eager run takes 10 minutes or more, for a model without routing "
-        "variants (ultrathink/train/budget.py: compile_pays)")
+        "with a train.budget whose measured eager run takes 10 minutes or more (2 on a GPU), for a model without "
+        "routing variants (ultrathink/train/budget.py: compile_pays)")
     backend: Literal["auto", "ddp", "fsdp", "deepspeed"] = Field(
         "auto", description="under torchrun: ddp (DistributedDataParallel), fsdp (FSDP2 fully_shard) or deepspeed "
         "(ZeRO, see train.deepspeed; also in one process); auto = ddp under torchrun, plain in one process")

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ultrathink.config import Budget
-from ultrathink.device import is_cuda
+from ultrathink.device import device_type, is_cuda
 from ultrathink.model import UltraThink
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.distributed import Distributed
@@ -123,16 +123,19 @@ def _shared_temp_dir(dist: Distributed):
             shutil.rmtree(path, ignore_errors=True)
 
 
-# train.compile auto compiles a run whose eager training is measured to take at least this long: torch.compile
-# costs 34-40 s on a 2-core CPU for these models with an empty inductor cache and makes the step 1.1-1.45×
-# faster, least at the larger shapes long budgets pick: it pays after ~110-440 s (benchmarks/README.md).
-COMPILE_PAYS_AFTER_SECONDS = 600
+# train.compile auto compiles a run whose eager training is measured to take at least this long, by device type
+# (benchmarks/README.md). A CPU: torch.compile costs 34-40 s on 2 cores for these models with an empty inductor
+# cache and makes the step 1.1-1.45× faster, least at the larger shapes long budgets pick: it pays after ~110-440 s.
+# A GPU (an H200, its host's 16 cores compiling): 14-38 s, and the step 1.6-1.9× faster: it pays after ~40-80 s;
+# 120 s is 1.5× the slowest. Any other device type goes by the CPU's.
+COMPILE_PAYS_AFTER_SECONDS = {"cpu": 600, "cuda": 120}
 
 
-def compile_pays(train_cfg, model_cfg, max_steps: int, measured: Probe | None) -> bool:
+def compile_pays(train_cfg, model_cfg, max_steps: int, measured: Probe | None, device: str = "cpu") -> bool:
     """train.compile: true and false are kept; auto compiles a dense model (routing variants change shapes every
-    step, which would recompile) whose measured eager run is long enough for the compile cost not to matter."""
+    step, which would recompile) whose measured eager run on `device` is long enough for the compile to pay."""
     if train_cfg.compile != "auto":
         return train_cfg.compile
+    pays_after = COMPILE_PAYS_AFTER_SECONDS.get(device_type(device), COMPILE_PAYS_AFTER_SECONDS["cpu"])
     return (measured is not None and not model_cfg.variants() and train_cfg.backend != "deepspeed"
-            and max_steps * measured.step_seconds >= COMPILE_PAYS_AFTER_SECONDS)
+            and max_steps * measured.step_seconds >= pays_after)

@@ -433,6 +433,6 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
     max_steps = steps_for(budget, tokens_per_step, flops_per_token, train_cfg, measured) if budget else \
         train_cfg.max_steps
     warmup = warmup_for(max_steps, train_cfg)
-    compile = compile_pays(train_cfg, model_cfg, max_steps, measured)
+    compile = compile_pays(train_cfg, model_cfg, max_steps, measured, device)
     return Plan(train_cfg.budget, max_steps, warmup, tokens_per_step, flops_per_token, precision,
                 kernel.to_dict(), compile, measured, sized.to_dict() if sized else {}, timings)
