@@ -13,7 +13,7 @@ prepared with them.
 
 The baseline is nanoGPT's README CPU run of shakespeare_char, given the same seconds the way a user with this
 machine would set `max_iters`: its step is timed first and its iteration count (and so its cosine decay) fitted to
-the seconds, at most the README's 2000.
+the seconds, at most the README's 2000. It runs where the train stage runs: on the GPU when torch sees one.
 
     .venv/bin/python benchmarks/budget_quality.py [--corpus FILE|embedded ...] [--budget 2min ...]
         [--set key=value ...] [--variant NAME=key=value[,key=value] ...] [--skip-baseline] [--match 2min]
@@ -47,6 +47,7 @@ from tests.e2e_helpers import sh  # noqa: E402
 
 from ultrathink.config import Budget, ModelConfig  # noqa: E402
 from ultrathink.data.tokens import read_meta  # noqa: E402
+from ultrathink.device import is_cuda, resolve_device  # noqa: E402
 from ultrathink.registry.models import evaluate_text_file  # noqa: E402
 from ultrathink.train import sizing  # noqa: E402
 from ultrathink.train.engine import autocast  # noqa: E402
@@ -93,8 +94,14 @@ class CharBaseline:
     def __init__(self, train_text: str, held_out: str, precision: str):
         chars = sorted(set(train_text) | set(held_out))
         self.index = {c: i for i, c in enumerate(chars)}
-        self.data = torch.tensor([self.index[c] for c in train_text])
+        self.device = resolve_device("auto")  # the train stage's device: the GPU when there is one
+        self.data = torch.tensor([self.index[c] for c in train_text], device=self.device)
         self.held_out, self.precision = held_out, precision
+
+    def finish(self) -> None:
+        """Wait for the GPU's queued work, so a time read after it counts that work."""
+        if is_cuda(self.device):
+            torch.cuda.synchronize(self.device)
 
     def run(self, seconds: float) -> dict:
         iterations = min(README_ITERATIONS, int(seconds / self.seconds_per_iteration()))
@@ -108,11 +115,12 @@ class CharBaseline:
             if it == WARM_UP:
                 started = time.perf_counter()
             self.step(model, opt, 1e-3)
+        self.finish()
         return (time.perf_counter() - started) / TIMED
 
     def fresh(self) -> tuple[GPT, torch.optim.Optimizer]:
         torch.manual_seed(1337)
-        model = GPT(len(self.index), 128, 4, 4, 64)
+        model = GPT(len(self.index), 128, 4, 4, 64).to(self.device)
         opt = model.optimizer(1e-3)
         for group in opt.param_groups:
             group["betas"] = (0.9, 0.99)
@@ -121,10 +129,10 @@ class CharBaseline:
     def step(self, model: GPT, opt: torch.optim.Optimizer, lr: float) -> None:
         for group in opt.param_groups:
             group["lr"] = lr
-        starts = torch.randint(len(self.data) - 65, (12,))
+        starts = torch.randint(len(self.data) - 65, (12,)).tolist()
         x = torch.stack([self.data[s:s + 64] for s in starts])
         y = torch.stack([self.data[s + 1:s + 65] for s in starts])
-        with autocast(self.precision):
+        with autocast(self.precision, str(self.device)):
             loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -139,12 +147,13 @@ class CharBaseline:
             lr = 1e-3 * (it + 1) / warmup if it < warmup else 1e-4 + 0.5 * (1e-3 - 1e-4) * (
                 1 + math.cos(math.pi * (it - warmup) / max(1, iterations - warmup)))
             self.step(model, opt, lr)
+        self.finish()
         return model, time.perf_counter() - started
 
     def score(self, model: GPT) -> float:
         """Bits per byte of the held-out text: every character after the first predicted once, in windows of 64
         without overlap (as `ultrathink eval` does)."""
-        ids = torch.tensor([self.index[c] for c in self.held_out])
+        ids = torch.tensor([self.index[c] for c in self.held_out], device=self.device)
         total = 0.0
         model.eval()
         with torch.no_grad():
@@ -155,7 +164,7 @@ class CharBaseline:
 
 
 def _logits(model: GPT, idx: torch.Tensor) -> torch.Tensor:
-    x = model.wte(idx) + model.wpe(torch.arange(idx.shape[1]))
+    x = model.wte(idx) + model.wpe(torch.arange(idx.shape[1], device=idx.device))
     for block in model.blocks:
         x = block(x)
     return F.linear(model.ln_f(x), model.wte.weight)[0]
