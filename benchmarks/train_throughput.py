@@ -75,6 +75,27 @@ def reference_step(model: torch.nn.Module, optimizer, forward, precision: str, d
     return step
 
 
+def timed(steps: dict, finish, reps: int, count: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Each step's first two calls' seconds (kernel selection, compilation), then its best seconds per step over
+    `reps` rounds of `count` calls, the steps taking turns in each round so the machine's drift hits all alike."""
+    first = {}
+    for name, step in steps.items():
+        started = time.perf_counter()
+        for _ in range(2):
+            step()
+        finish()
+        first[name] = time.perf_counter() - started
+    best = {name: float("inf") for name in steps}
+    for _ in range(reps):
+        for name, step in steps.items():
+            started = time.perf_counter()
+            for _ in range(count):
+                step()
+            finish()
+            best[name] = min(best[name], (time.perf_counter() - started) / count)
+    return first, best
+
+
 def kernel_profile(step, finish, device: torch.device, rows: int = 15) -> str:
     """The kernels (on a CPU, the operators) of two steps that take the most time of their own on the device."""
     from torch.profiler import ProfilerActivity, profile
@@ -154,21 +175,7 @@ def main() -> None:
                 steps["ultrathink_bare+compile"] = reference_step(
                     bare, torch.optim.AdamW(bare.parameters(), lr=1e-3, fused=True),
                     lambda: bare_compiled(x, x).loss, precision, device)
-        first = {}  # the warm-up's seconds beyond two timed steps: kernel selection, compilation
-        for name, step in steps.items():
-            started = time.perf_counter()
-            for _ in range(2):
-                step()
-            finish()
-            first[name] = time.perf_counter() - started
-        best = {n: float("inf") for n in steps}
-        for _ in range(args.reps):
-            for name, step in steps.items():
-                started = time.perf_counter()
-                for _ in range(args.steps):
-                    step()
-                finish()
-                best[name] = min(best[name], (time.perf_counter() - started) / args.steps)
+        first, best = timed(steps, finish, args.reps, args.steps)
         profiles = {name: kernel_profile(step, finish, device) for name, step in steps.items()} if args.profile else {}
     tokens = BATCH * SHAPE["seq_len"]
     flops = model.flops_per_token()
