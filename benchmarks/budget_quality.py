@@ -47,7 +47,7 @@ from tests.e2e_helpers import sh  # noqa: E402
 
 from ultrathink.config import Budget, ModelConfig  # noqa: E402
 from ultrathink.data.tokens import read_meta  # noqa: E402
-from ultrathink.device import is_cuda, resolve_device  # noqa: E402
+from ultrathink.device import resolve_device, synchronize  # noqa: E402
 from ultrathink.registry.models import evaluate_text_file  # noqa: E402
 from ultrathink.train import sizing  # noqa: E402
 from ultrathink.train.engine import autocast  # noqa: E402
@@ -98,11 +98,6 @@ class CharBaseline:
         self.data = torch.tensor([self.index[c] for c in train_text], device=self.device)
         self.held_out, self.precision = held_out, precision
 
-    def finish(self) -> None:
-        """Wait for the GPU's queued work, so a time read after it counts that work."""
-        if is_cuda(self.device):
-            torch.cuda.synchronize(self.device)
-
     def run(self, seconds: float) -> dict:
         iterations = min(README_ITERATIONS, int(seconds / self.seconds_per_iteration()))
         model, seconds_trained = self.train(iterations)
@@ -115,7 +110,7 @@ class CharBaseline:
             if it == WARM_UP:
                 started = time.perf_counter()
             self.step(model, opt, 1e-3)
-        self.finish()
+        synchronize(self.device)
         return (time.perf_counter() - started) / TIMED
 
     def fresh(self) -> tuple[GPT, torch.optim.Optimizer]:
@@ -147,7 +142,7 @@ class CharBaseline:
             lr = 1e-3 * (it + 1) / warmup if it < warmup else 1e-4 + 0.5 * (1e-3 - 1e-4) * (
                 1 + math.cos(math.pi * (it - warmup) / max(1, iterations - warmup)))
             self.step(model, opt, lr)
-        self.finish()
+        synchronize(self.device)
         return model, time.perf_counter() - started
 
     def score(self, model: GPT) -> float:

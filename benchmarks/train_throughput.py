@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference_gpt import GPT  # noqa: E402
 
 from ultrathink.config import ModelConfig, TrainConfig  # noqa: E402
-from ultrathink.device import is_cuda, resolve_device  # noqa: E402
+from ultrathink.device import is_cuda, resolve_device, synchronize  # noqa: E402
 from ultrathink.model import UltraThink  # noqa: E402
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint  # noqa: E402
 from ultrathink.train.engine import autocast, build_engine  # noqa: E402
@@ -75,7 +75,7 @@ def reference_step(model: torch.nn.Module, optimizer, forward, precision: str, d
     return step
 
 
-def timed(steps: dict, finish, reps: int, count: int) -> tuple[dict[str, float], dict[str, float]]:
+def timed(steps: dict, device: torch.device, reps: int, count: int) -> tuple[dict[str, float], dict[str, float]]:
     """Each step's first two calls' seconds (kernel selection, compilation), then its best seconds per step over
     `reps` rounds of `count` calls, the steps taking turns in each round so the machine's drift hits all alike."""
     first = {}
@@ -83,7 +83,7 @@ def timed(steps: dict, finish, reps: int, count: int) -> tuple[dict[str, float],
         started = time.perf_counter()
         for _ in range(2):
             step()
-        finish()
+        synchronize(device)
         first[name] = time.perf_counter() - started
     best = {name: float("inf") for name in steps}
     for _ in range(reps):
@@ -91,19 +91,19 @@ def timed(steps: dict, finish, reps: int, count: int) -> tuple[dict[str, float],
             started = time.perf_counter()
             for _ in range(count):
                 step()
-            finish()
+            synchronize(device)
             best[name] = min(best[name], (time.perf_counter() - started) / count)
     return first, best
 
 
-def kernel_profile(step, finish, device: torch.device, rows: int = 15) -> str:
+def kernel_profile(step, device: torch.device, rows: int = 15) -> str:
     """The kernels (on a CPU, the operators) of two steps that take the most time of their own on the device."""
     from torch.profiler import ProfilerActivity, profile
     gpu = is_cuda(device)
     with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as traced:
         for _ in range(2):
             step()
-        finish()
+        synchronize(device)
     return traced.key_averages().table(sort_by="self_cuda_time_total" if gpu else "self_cpu_time_total",
                                        row_limit=rows, max_name_column_width=70)
 
@@ -143,7 +143,6 @@ def main() -> None:
         num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, max_position_embeddings=cfg.seq_len,
         tie_word_embeddings=True, attn_implementation="sdpa"))
     gpt.to(device), hf.to(device)
-    finish = (lambda: torch.cuda.synchronize(device)) if is_cuda(device) else (lambda: None)
     with tempfile.TemporaryDirectory() as tmp:
         # An empty compile cache (unless one is named): the first steps of a compiled row pay a cold compile, as a
         # run on a fresh machine does (a warm cache cuts it ~6×: benchmarks/README.md).
@@ -175,8 +174,8 @@ def main() -> None:
                 steps["ultrathink_bare+compile"] = reference_step(
                     bare, torch.optim.AdamW(bare.parameters(), lr=1e-3, fused=True),
                     lambda: bare_compiled(x, x).loss, precision, device)
-        first, best = timed(steps, finish, args.reps, args.steps)
-        profiles = {name: kernel_profile(step, finish, device) for name, step in steps.items()} if args.profile else {}
+        first, best = timed(steps, device, args.reps, args.steps)
+        profiles = {name: kernel_profile(step, device) for name, step in steps.items()} if args.profile else {}
     tokens = BATCH * SHAPE["seq_len"]
     flops = model.flops_per_token()
     peak = peak_flops(precision, device)

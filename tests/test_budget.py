@@ -14,7 +14,7 @@ from ultrathink.config import Budget, ModelConfig, Params, ParamsError, Tokenize
 from ultrathink.tokenizer import auto_vocab_size, load_tokenizer, train_tokenizer
 from ultrathink.train import sizing
 from ultrathink.train.budget import COMPILE_PAYS_AFTER_SECONDS, Probe, compile_pays, steps_for, warmup_for
-from ultrathink.train.plan import Plan, apply_plan, plan_run
+from ultrathink.train.plan import Plan, apply_plan, decide, plan_run
 
 AUTO_SHAPE = {k: None for k in sizing.SHAPE_KEYS}
 
@@ -77,6 +77,12 @@ def test_compile_auto_compiles_once_the_measured_eager_run_outlasts_what_a_compi
     assert not compile_pays(TrainConfig(compile=False), dense, 10**6, probe, "cuda")
     assert not compile_pays(auto, ModelConfig(moe={"enabled": True}), 10**6, probe, "cuda")
     assert not compile_pays(auto.model_copy(update={"backend": "deepspeed"}), dense, 10**6, probe, "cuda")
+    # The plan decides it for the run's device: the same 5-minute plan (~270 s of eager steps) compiles on a GPU only.
+    plans = {device: decide(dense, auto.model_copy(update={"precision": "fp32", "attention": "torch"}), 64,
+                            _stream(), device, 1, {"fp32": 100.0, "bf16": 50.0}, lambda model, train, kernel: probe)
+             for device in ("cuda", "cpu")}
+    assert plans["cuda"].max_steps == plans["cpu"].max_steps and plans["cuda"].max_steps * 0.1 > 120
+    assert (plans["cuda"].compile, plans["cpu"].compile) == (True, False)
 
 
 def test_warmup_follows_the_steps_when_given_as_a_fraction():

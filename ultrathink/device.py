@@ -57,6 +57,13 @@ def is_cuda(device: DeviceLike) -> bool:
     return device_type(device) == "cuda"
 
 
+def synchronize(device: DeviceLike) -> None:
+    """Wait until the work queued on `device` is done, so a clock read after it counts that work: a GPU runs its
+    kernels asynchronously; a CPU has finished when the call returns (nothing to wait for)."""
+    if is_cuda(device):
+        torch.cuda.synchronize(device)
+
+
 def model_device(model: torch.nn.Module) -> torch.device:
     """The device a model's parameters are on: where its inputs must be put."""
     return next(model.parameters()).device

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ultrathink.device import device_type, is_cuda
+from ultrathink.device import device_type, is_cuda, synchronize
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,5 @@ def _time_once(option, q, k, v, grad, dropout, autocast_dtype, device) -> float:
         with torch.autocast(device_type(device), dtype=autocast_dtype, enabled=autocast_dtype is not None):
             y = option.attend(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=q.shape[1] != k.shape[1])
         y.backward(grad.to(y.dtype))
-    if is_cuda(device):
-        torch.cuda.synchronize(device)
+    synchronize(device)
     return time.perf_counter() - started

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ultrathink.config import Budget
-from ultrathink.device import device_type, is_cuda
+from ultrathink.device import device_type, is_cuda, synchronize
 from ultrathink.model import UltraThink
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.distributed import Distributed
@@ -52,8 +52,7 @@ class Probe:
 def _timed(fn, device: str) -> float:
     started = time.perf_counter()
     fn()
-    if is_cuda(device):
-        torch.cuda.synchronize(device)
+    synchronize(device)
     return time.perf_counter() - started
 
 
@@ -131,7 +130,7 @@ def _shared_temp_dir(dist: Distributed):
 COMPILE_PAYS_AFTER_SECONDS = {"cpu": 600, "cuda": 120}
 
 
-def compile_pays(train_cfg, model_cfg, max_steps: int, measured: Probe | None, device: str = "cpu") -> bool:
+def compile_pays(train_cfg, model_cfg, max_steps: int, measured: Probe | None, device: str) -> bool:
     """train.compile: true and false are kept; auto compiles a dense model (routing variants change shapes every
     step, which would recompile) whose measured eager run on `device` is long enough for the compile to pay."""
     if train_cfg.compile != "auto":

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from ultrathink.device import DeviceLike, device_type, is_cuda
+from ultrathink.device import DeviceLike, device_type, is_cuda, synchronize
 
 log = logging.getLogger(__name__)
 
@@ -22,19 +22,13 @@ def matmul_gflops(dtype: torch.dtype, size: int = 512, repeats: int = 3, device:
     # A private generator: drawing from the global one would shift dropout masks and break exact resume.
     generator = torch.Generator(device=device).manual_seed(0)
     a, b = (torch.randn(size, size, generator=generator, device=device).to(dtype) for _ in range(2))
-    cuda = is_cuda(device)
-
-    def sync() -> None:  # GPU kernels run asynchronously: time them from an idle device to a finished one
-        if cuda:
-            torch.cuda.synchronize(device)
-
     torch.mm(a, b)  # warm-up: first call pays for kernel selection
-    sync()
+    synchronize(device)  # time from an idle device to a finished one
     fastest = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
         torch.mm(a, b)
-        sync()
+        synchronize(device)
         fastest = min(fastest, time.perf_counter() - started)
     return 2 * size**3 / fastest / 1e9
 
