@@ -5,7 +5,6 @@ minutes or more (budget.COMPILE_PAYS_AFTER_SECONDS), so a job on several GPUs ta
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from test_distributed import LOSS_RTOL, WEIGHT_ATOL, history, weights
+from test_distributed import LOSS_RTOL, WEIGHT_ATOL, history, tracking, two_ranks, weights
 from test_resume_kill import ROOT, tiny_project
 
 pytestmark = [pytest.mark.slow, pytest.mark.spawns]
@@ -22,21 +21,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.spawns]
 STEPS = 8
 
 
-def compiled_run(tmp: Path, name: str, ranks: int, **train) -> Path:
-    """The train stage, compiled unless `train` says otherwise, dense, 2 × 4 windows per step (as two ranks of 4 read them), on `ranks`
-    processes; inductor writes its kernels into the run's own cache folder."""
+def train_run(tmp: Path, name: str, on_two_ranks: bool, **train) -> Path:
+    """The train stage, compiled unless `train` says otherwise, dense, 2 × 4 windows per step (as two ranks of 4
+    read them), on two gloo ranks or one process; inductor writes its kernels into the run's own cache folder."""
     base = tiny_project(tmp, name)
     params = yaml.safe_load((base / "params.yaml").read_text())
     params["train"].update({"max_steps": STEPS, "compile": True, "batch_size": 4, "grad_accum": 2, "log_every": 1,
                             "select": "last", "attention": "torch", "schedule": "cosine", **train})
     params["model"]["dropout"] = 0.0  # compiled code draws dropout masks differently
     (base / "params.yaml").write_text(yaml.safe_dump(params))
-    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp / 'mlflow.db'}",
-               TORCHINDUCTOR_CACHE_DIR=str(base / "inductor"))
-    args = [sys.executable, "-m", "tasks.train", "--params", str(base / "params.yaml")]
-    if ranks > 1:
-        args += ["--set", f"launch.nproc_per_node={ranks}"]
-    done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    env = dict(tracking(tmp), TORCHINDUCTOR_CACHE_DIR=str(base / "inductor"))
+    if on_two_ranks:
+        two_ranks(base, env)
+        return base
+    done = subprocess.run([sys.executable, "-m", "tasks.train", "--params", str(base / "params.yaml")], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return base
 
@@ -47,12 +46,12 @@ def compiled_kernels(base: Path) -> list[Path]:
 
 @pytest.fixture(scope="module")
 def one(tmp_path_factory) -> Path:
-    return compiled_run(tmp_path_factory.mktemp("one"), "one", 1, compile=False)
+    return train_run(tmp_path_factory.mktemp("one"), "one", False, compile=False)
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
 def test_compiled_training_on_two_ranks_takes_one_eager_process_steps(one, backend, tmp_path):
-    two = compiled_run(tmp_path, backend, 2, backend=backend)
+    two = train_run(tmp_path, backend, True, backend=backend)
     assert compiled_kernels(two) and not compiled_kernels(one)  # inductor generated code for the ranks' run only
     a, b = history(one), history(two)
     assert [h["step"] for h in a] == [h["step"] for h in b] == list(range(1, STEPS + 1))
