@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from scipy.optimize import least_squares
 
 from ultrathink.train import sizing
-from ultrathink.train.sizing_evidence import SWEEPS, Run, Sweep, fit_repeat_decay, total_regret
+from ultrathink.train.sizing_evidence import SWEEPS, Measured, Sweep, fit_repeat_decay, total_regret
 
 STARTS = list(itertools.product((2.0, 5.0), (2.0, 5.0), (0.2, 0.5), (0.2, 0.5), (2.0, 8.0)))  # ln A, ln B, α, β, R*
 
@@ -36,13 +36,14 @@ class Law:
     beta: float
     repeat_decay: float
 
-    def loss(self, run: Run, sweep: Sweep) -> float:
+    def loss(self, non_embedding_params: int, tokens: float, sweep: Sweep) -> float:
         """Predicted bits per byte less the corpus's E (a constant within a sweep)."""
-        seen = sizing.effective_tokens(run.tokens, sweep.corpus_tokens, self.repeat_decay)
-        return self.a / run.non_embedding_params ** self.alpha + self.b / seen ** self.beta
+        seen = sizing.effective_tokens(tokens, sweep.corpus_tokens, self.repeat_decay)
+        return self.a / non_embedding_params ** self.alpha + self.b / seen ** self.beta
 
-    def pick(self, sweep: Sweep) -> Run:
-        return min(sweep.runs, key=lambda r: self.loss(r, sweep))
+    def pick(self, sweep: Sweep) -> Measured:
+        """The shape it predicts best at its runs' mean tokens (as sizing_evidence judges Chinchilla + R*)."""
+        return min(sweep.shapes(), key=lambda m: self.loss(m.non_embedding_params, m.tokens, sweep))
 
     def regret(self, sweep: Sweep) -> float:
         return sweep.regret_of(self.pick(sweep))
@@ -57,7 +58,7 @@ def fit_law(sweeps: tuple[Sweep, ...]) -> tuple[Law, dict[str, float]]:
         return Law(math.exp(x[0]), x[2], math.exp(x[1]), x[3], x[4])
 
     def residuals(x):
-        return [x[5 + c] + law(x).loss(r, s) - r.bpb for s, r, c in rows]
+        return [x[5 + c] + law(x).loss(r.non_embedding_params, r.tokens, s) - r.bpb for s, r, c in rows]
 
     lower = [-5, -5, 0.01, 0.01, 0.5] + [0.0] * len(corpora)
     upper = [30, 30, 2.0, 2.0, 100.0] + [5.0] * len(corpora)

@@ -48,18 +48,20 @@ from ultrathink.model import UltraThink
 
 CHINCHILLA = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
 # R*_D of Muennighoff et al. 2023: the repetitions after which added epochs are worth 1/e as much. They fitted 15.4 at
-# billions of parameters; fitted here to shapes trained side by side on small corpora (sizing_evidence.SWEEPS):
-# at 5–12 epochs 15.4 kept choosing the smaller model, which measured 0.06–0.12 bits/byte worse.
-REPEAT_DECAY = 5.0
+# billions of parameters; fitted here to shapes trained side by side on small corpora (sizing_evidence.SWEEPS, each
+# shape by its repeats' means): at 5–12 epochs 15.4 kept choosing the smaller model, which measured 0.06–0.12
+# bits/byte worse; 5 still chose the smaller one at 2 and 5 minutes on tiny Shakespeare (0.04 and 0.02 worse).
+REPEAT_DECAY = 4.0
 TOKENS_PER_PARAM = 20  # Chinchilla's compute-optimal ratio, used when the budget is in tokens
 TARGET_STEPS = 1000
 # model.dropout null under size auto: the level tried (0.2 was never clearly better than 0.1 where dropout paid,
-# benchmarks/README.md), and R*_D with it — fitted to runs with and without it (sizing_evidence.fit_dropout_decay).
+# benchmarks/README.md), and R*_D with it — fitted to runs with and without it, together with the threshold below
+# (sizing_evidence.fit_dropout).
 DROPOUT = 0.1
-DROPOUT_REPEAT_DECAY = 15.4
+DROPOUT_REPEAT_DECAY = 8.0
 # ... and only for a model of at least this many non-embedding parameters per unique training token: below it the
 # models measured did not overfit enough for dropout to pay even where the law said it would (0.9M parameters on
-# 0.3M tokens, 7 epochs, dropout 1.26× slower: 0.04 bits/byte worse; sizing_evidence.fit_dropout_threshold).
+# 0.3M tokens, 7 epochs, dropout 1.26× slower: 0.04 bits/byte worse; sizing_evidence.dropout_threshold).
 DROPOUT_MIN_PARAMS_PER_TOKEN = 5.6
 # Predicted losses this close (relative) are a tie: the fit cannot tell them apart, and a measured throughput that
 # moves with the machine's load would otherwise pick either. A tie goes to the cheaper shape (fewer FLOPs per
