@@ -260,7 +260,7 @@ def test_a_time_plan_probes_dropout_where_it_could_pay_and_keeps_it_only_if_it_d
     assert plan.decisions()["dropout"] == sizing.DROPOUT and plan.mlflow_params()["plan.model.dropout"] == 0.1
     model, train = apply_plan(plan, ModelConfig(size="auto"), TrainConfig(budget="20s", batch_size=None))
     assert model.dropout == sizing.DROPOUT
-    dear, probed = planned(ModelConfig(size="auto"), cost=4.0)  # a step with dropout 5× as long: it cannot pay
+    dear, probed = planned(ModelConfig(size="auto"), cost=20.0)  # a step with dropout 21× as long: it cannot pay
     assert dear.sizing["dropout"] == 0.0 and probed[-1] == sizing.DROPOUT
     assert dear.probe.step_seconds == pytest.approx(0.01)  # the steps are the undropped probe's
     assert apply_plan(dear, ModelConfig(size="auto"), TrainConfig(budget="20s", batch_size=None))[0].dropout == 0.0
@@ -283,6 +283,38 @@ def test_auto_vocabulary_follows_the_corpus_size(tmp_path):
     assert len(load_tokenizer(tmp_path / "tok")) <= size
     with pytest.raises(ValueError, match="vocab_size"):
         TokenizerConfig(vocab_size=100)
+
+
+def test_a_time_plan_decides_between_the_shapes_it_probed_by_their_measured_speed():
+    """The step-cost model picks which shapes a time budget probes; between two probed shapes the law decides at
+    their measured speeds. Probes at one FLOP rate for every shape agree with the model, and its second pick is
+    kept; a second shape measured 3× slower than that (a small batch's fixed work per step, which the model has no
+    term for) loses to the first, whose probe then sets the steps. Nothing is probed again for it."""
+    def planned(slow: tuple[int, int] | None = None):
+        train_cfg = TrainConfig(budget="60s", batch_size=None, precision="fp32", attention="torch", eval_batches=2)
+        probed = []
+
+        def probe(model, train, kernel):
+            flops = sizing.counts(sizing.Shape.of(model), model, 64)[2] * train.batch_size * model.seq_len
+            probed.append((model.d_model, model.n_layers))
+            step = flops / 2e10 * (3.0 if probed[-1] == slow else 1.0)
+            return Probe(step_seconds=step, first_steps_extra=0.1, eval_seconds=0.05, save_seconds=0.05, seconds=0.5)
+        plan = plan_run(ModelConfig(size="auto", dropout=0.0), train_cfg, 64, _stream(200_000), _stream(2000), "cpu",
+                        probe=probe).plan
+        return plan, probed
+
+    fair, probed = planned()
+    first, second = probed
+    assert first != second and (fair.sizing["shape"]["d_model"], fair.sizing["shape"]["n_layers"]) == second
+    slowed, probed_again = planned(slow=second)
+    assert probed_again == probed  # the same two probes, no third
+    shape = slowed.sizing["shape"]
+    assert (shape["d_model"], shape["n_layers"]) == first
+    first_step = sizing.counts(sizing.Shape(**shape), ModelConfig(**{**shape, "dropout": 0.0}), 64)[2] \
+        * slowed.sizing["batch_size"] * shape["seq_len"] / 2e10
+    assert slowed.probe.step_seconds == pytest.approx(first_step)  # the steps are the chosen shape's probe's
+    assert slowed.sizing["tokens"] == pytest.approx(60 * 2e10 / slowed.flops_per_token, rel=1e-6)
+    assert slowed.probe.seconds == pytest.approx(1.0)  # both probes paid from the budget
 
 
 def _stream(n=20_000) -> np.ndarray:

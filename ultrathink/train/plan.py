@@ -395,9 +395,11 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
             # width (sizing.StepCost), so shapes that use the device better are seen to. Shapes are sized at the
             # speed without dropout (the loss law's evidence ran at it); then, where dropout could pay were it free
             # (model.dropout null), its step at the chosen shape is probed and the law decides at that speed.
+            # The shapes probed are then compared at their measured speeds (sizing.best_measured).
             peak_rate = (peak or 1e11) * world_size
             cost = sizing.StepCost(round_figures(peak_rate * GUESS_UTILISATION))
             undropped = {"dropout": model_cfg.dropout or 0.0}
+            measured = []
             for _ in range(2):
                 sized = sizing.choose(model_cfg, vocab_size, corpus, seconds=budget.amount, cost=cost,
                                       batch_size=train_cfg.batch_size)
@@ -405,8 +407,14 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
                 if not probe_unless_last(shaped_model.model_copy(update=undropped), shaped_train):
                     break
                 tokens_per_step = shaped_train.batch_size * shaped_train.grad_accum * shaped_model.seq_len
+                seconds_per_token = probes[-1][1][2].step_seconds / tokens_per_step
+                measured.append(sizing.at_measured_speed(sized, corpus, budget.amount, seconds_per_token,
+                                                         model_cfg.dropout))
                 cost = sizing.StepCost.fitted(round_figures(peak_rate), sized.shape, sized.flops_per_token,
-                                              probes[-1][1][2].step_seconds / tokens_per_step)
+                                              seconds_per_token)
+            sized = sizing.best_measured(measured)
+            shaped_model, shaped_train = _sized(model_cfg, train_cfg, sized)
+            probe_last(shaped_model.model_copy(update=undropped), shaped_train)
             if model_cfg.dropout is None and sized.dropout:
                 undropped_step = probes[-1][1][2].step_seconds
                 probe_unless_last(*_sized(model_cfg, train_cfg, sized))

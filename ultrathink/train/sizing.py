@@ -11,7 +11,8 @@ The rule, in three steps:
    per token (StepCost): its FLOPs at the device's matmul peak, plus a memory-bound share that grows with
    layers × width, fitted to the step time measured on this machine (budget.py's probe). At a CPU's small widths
    that share is most of a step, so one FLOP rate for every shape misjudged them: d128 × 1 layer ran 1.7× the FLOPs
-   of d64 × 2 layers in the same 10 s and was the better model on three corpora (benchmarks/README.md).
+   of d64 × 2 layers in the same 10 s and was the better model on three corpora (benchmarks/README.md). The model
+   picks which shapes are probed; between probed shapes their measured speeds decide (best_measured).
 3. **Predicted loss**, and the lowest wins (within TIE of it, the cheapest shape): Chinchilla's fit L(N, D) = E + A/N^α + B/D^β (Hoffmann et al. 2022,
    approach 3; N = non-embedding parameters), with D the *effective* tokens when the corpus repeats — each further
    epoch is worth less, with Muennighoff et al. 2023's form of the decay and its constant fitted to this regime
@@ -218,6 +219,27 @@ def with_dropout(sized: "Sizing", corpus_tokens: int, slowdown: float = 1.0) -> 
     if not dropout_pays(sized.non_embedding_params, sized.tokens, dropped, corpus_tokens):
         return replace(sized, dropout=0.0)
     return replace(sized, dropout=DROPOUT, tokens=dropped, epochs=dropped / corpus_tokens)
+
+
+def at_measured_speed(sized: Sizing, corpus_tokens: int, seconds: float, seconds_per_token: float,
+                      dropout: float | None) -> Sizing:
+    """`sized` with the tokens `seconds` buy at a measured speed (its probe's, at its batch), the loss the law
+    predicts for them, and model.dropout's value, or (null) dropout decided again for those tokens."""
+    tokens = seconds / seconds_per_token
+    timed = replace(sized, tokens=tokens, epochs=tokens / corpus_tokens, dropout=dropout,
+                    predicted_loss=predicted_loss(sized.non_embedding_params, tokens, corpus_tokens))
+    return timed if dropout is not None else with_dropout(timed, corpus_tokens)
+
+
+def best_measured(measured: list[Sizing]) -> Sizing:
+    """Of shapes whose speed was measured (at_measured_speed), the one the law predicts best; within TIE of it the
+    cheapest, as `choose` breaks ties. The step-cost model decides which shapes a time budget measures; it has no
+    per-step term, so it overrates a shape whose small batch leaves a step's fixed work to few tokens (d256 × 3 at
+    batch 4 on Pride: 1.35M tokens predicted, 1.08M trained, and 0.028 bits/byte worse than the d192 × 3 it
+    displaced). Between shapes both measured, the measurement decides."""
+    best = min(s.predicted_loss for s in measured)
+    tied = [s for s in measured if s.predicted_loss <= best * (1 + TIE)]
+    return min(tied, key=lambda s: (s.flops_per_token, s.params, s.predicted_loss))
 
 
 def batch_for(tokens: float, seq_len: int) -> int:

@@ -124,11 +124,14 @@ SWEEPS: tuple[Sweep, ...] = (
         Run("d192x2", 885_952, 3_170_304, 2.2024), Run("d192x2", 885_952, 3_584_000, 2.2006),
         Run("d192x3", 1_328_832, 1_869_824, 2.1711), Run("d192x3", 1_328_832, 2_398_208, 2.1454),
         Run("d192x4", 1_771_712, 1_404_928, 2.1810), Run("d256x3", 2_214_016, 1_359_872, 2.2090),
-        Run("d192x3", 1_328_832, 2_273_280, 2.1570), Run("d192x3", 1_328_832, 1_972_224, 2.1646)),
+        Run("d192x3", 1_328_832, 2_273_280, 2.1570), Run("d192x3", 1_328_832, 1_972_224, 2.1646),
+        # The shipped rule's own runs since: R* 5 (sixth session), then R* 4 (tenth).
+        Run("d192x2", 885_952, 2_174_976, 2.2159), Run("d192x3", 1_328_832, 2_074_624, 2.1675)),
         dropped=(Run("d192x3", 1_328_832, 1_562_624, 2.2428),)),
     Sweep("WikiText-2 valid+test (2.1 MB, vocab 704)", "2min", WIKITEXT, (
         Run("d192x2", 885_952, 3_104_768, 1.7405), Run("d192x2", 885_952, 2_633_728, 1.7617),
-        Run("d192x3", 1_328_832, 2_115_584, 1.7616), Run("d192x3", 1_328_832, 2_134_016, 1.7589)),
+        Run("d192x3", 1_328_832, 2_115_584, 1.7616), Run("d192x3", 1_328_832, 2_134_016, 1.7589),
+        Run("d192x2", 885_952, 2_777_088, 1.7544), Run("d192x2", 885_952, 2_695_168, 1.7563)),
         dropped=(Run("d192x2", 885_952, 1_949_696, 1.8275),)),
     Sweep("WikiText-2 valid+test (2.1 MB, vocab 704)", "12s", WIKITEXT, (
         Run("d128x1", 197_120, 750_592, 2.0121), Run("d192x3", 1_328_832, 144_384, 2.4802))),
@@ -142,7 +145,9 @@ SWEEPS: tuple[Sweep, ...] = (
     # Gutenberg header, hard-wrapped at 70): its held-out text is easier than the first copy's, so its rows are
     # their own corpus.
     Sweep("Pride and Prejudice, ntoll's copy (0.62 MB, vocab 384)", "2min", PRIDE_NTOLL, (
-        Run("d192x4", 1_771_712, 1_656_832, 1.6470),),
+        Run("d192x4", 1_771_712, 1_656_832, 1.6470), Run("d192x3", 1_328_832, 1_853_440, 1.6419),
+        # R* 4 before the probed shapes were compared at their measured speeds: planned 1.35M tokens at batch 4.
+        Run("d256x3", 2_214_016, 1_083_392, 1.6699)),
         dropped=(Run("d192x4", 1_771_712, 1_050_624, 1.7205),)),
     Sweep("Pride and Prejudice, ntoll's copy (0.62 MB, vocab 384)", "2min", PRIDE_NTOLL, (
         Run("d192x2", 885_952, 2_033_664, 1.6586),),
