@@ -126,12 +126,14 @@ SWEEPS: tuple[Sweep, ...] = (
         Run("d192x4", 1_771_712, 1_404_928, 2.1810), Run("d256x3", 2_214_016, 1_359_872, 2.2090),
         Run("d192x3", 1_328_832, 2_273_280, 2.1570), Run("d192x3", 1_328_832, 1_972_224, 2.1646),
         # The shipped rule's own runs since: R* 5 (sixth session), then R* 4 (tenth).
-        Run("d192x2", 885_952, 2_174_976, 2.2159), Run("d192x3", 1_328_832, 2_074_624, 2.1675)),
+        Run("d192x2", 885_952, 2_174_976, 2.2159), Run("d192x3", 1_328_832, 2_074_624, 2.1675),
+        Run("d192x3", 1_328_832, 1_992_704, 2.1710)),
         dropped=(Run("d192x3", 1_328_832, 1_562_624, 2.2428),)),
     Sweep("WikiText-2 valid+test (2.1 MB, vocab 704)", "2min", WIKITEXT, (
         Run("d192x2", 885_952, 3_104_768, 1.7405), Run("d192x2", 885_952, 2_633_728, 1.7617),
         Run("d192x3", 1_328_832, 2_115_584, 1.7616), Run("d192x3", 1_328_832, 2_134_016, 1.7589),
-        Run("d192x2", 885_952, 2_777_088, 1.7544), Run("d192x2", 885_952, 2_695_168, 1.7563)),
+        Run("d192x2", 885_952, 2_777_088, 1.7544), Run("d192x2", 885_952, 2_695_168, 1.7563),
+        Run("d192x2", 885_952, 2_838_528, 1.7516)),
         dropped=(Run("d192x2", 885_952, 1_949_696, 1.8275),)),
     Sweep("WikiText-2 valid+test (2.1 MB, vocab 704)", "12s", WIKITEXT, (
         Run("d128x1", 197_120, 750_592, 2.0121), Run("d192x3", 1_328_832, 144_384, 2.4802))),
@@ -146,8 +148,9 @@ SWEEPS: tuple[Sweep, ...] = (
     # their own corpus.
     Sweep("Pride and Prejudice, ntoll's copy (0.62 MB, vocab 384)", "2min", PRIDE_NTOLL, (
         Run("d192x4", 1_771_712, 1_656_832, 1.6470), Run("d192x3", 1_328_832, 1_853_440, 1.6419),
-        # R* 4 before the probed shapes were compared at their measured speeds: planned 1.35M tokens at batch 4.
-        Run("d256x3", 2_214_016, 1_083_392, 1.6699)),
+        # R* 4 before the probed shapes were compared at their measured speeds (planned 1.35M tokens at batch 4),
+        # then after (batch 8).
+        Run("d256x3", 2_214_016, 1_083_392, 1.6699), Run("d256x3", 2_214_016, 1_376_256, 1.6497)),
         dropped=(Run("d192x4", 1_771_712, 1_050_624, 1.7205),)),
     Sweep("Pride and Prejudice, ntoll's copy (0.62 MB, vocab 384)", "2min", PRIDE_NTOLL, (
         Run("d192x2", 885_952, 2_033_664, 1.6586),),
@@ -163,7 +166,9 @@ SWEEPS: tuple[Sweep, ...] = (
     # train.compile whose faster probed step sized a deeper model (its tokens are what it saw). Batch 16, seq 256.
     Sweep("tiny Shakespeare (1.0 MB, vocab 448)", "5min", SHAKESPEARE, (
         Run("d256x3", 2_214_016, 3_764_224, 2.2014), Run("d256x3", 2_214_016, 3_420_160, 2.1649),
-        Run("d256x3", 2_214_016, 3_162_112, 2.1642), Run("d256x4", 2_951_936, 2_646_016, 2.1563)),
+        Run("d256x3", 2_214_016, 3_162_112, 2.1642), Run("d256x4", 2_951_936, 2_646_016, 2.1563),
+        # Tenth session: the R* 4 rule's pick, eager, twice.
+        Run("d256x4", 2_951_936, 2_568_192, 2.1675), Run("d256x4", 2_951_936, 2_637_824, 2.1701)),
         dropped=(Run("d256x3", 2_214_016, 2_535_424, 2.1562), Run("d256x3", 2_214_016, 2_310_144, 2.1740))),
 )
 
