@@ -399,7 +399,7 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
             peak_rate = (peak or 1e11) * world_size
             cost = sizing.StepCost(round_figures(peak_rate * GUESS_UTILISATION))
             undropped = {"dropout": model_cfg.dropout or 0.0}
-            measured = []
+            timed = []  # each probed shape at the tokens its probe's speed buys
             for _ in range(2):
                 sized = sizing.choose(model_cfg, vocab_size, corpus, seconds=budget.amount, cost=cost,
                                       batch_size=train_cfg.batch_size)
@@ -408,11 +408,11 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
                     break
                 tokens_per_step = shaped_train.batch_size * shaped_train.grad_accum * shaped_model.seq_len
                 seconds_per_token = probes[-1][1][2].step_seconds / tokens_per_step
-                measured.append(sizing.at_measured_speed(sized, corpus, budget.amount, seconds_per_token,
+                timed.append(sizing.at_measured_speed(sized, corpus, budget.amount, seconds_per_token,
                                                          model_cfg.dropout))
                 cost = sizing.StepCost.fitted(round_figures(peak_rate), sized.shape, sized.flops_per_token,
                                               seconds_per_token)
-            sized = sizing.best_measured(measured)
+            sized = sizing.best_measured(timed)
             shaped_model, shaped_train = _sized(model_cfg, train_cfg, sized)
             probe_last(shaped_model.model_copy(update=undropped), shaped_train)
             if model_cfg.dropout is None and sized.dropout:

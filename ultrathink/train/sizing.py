@@ -237,9 +237,13 @@ def best_measured(measured: list[Sizing]) -> Sizing:
     per-step term, so it overrates a shape whose small batch leaves a step's fixed work to few tokens (d256 × 3 at
     batch 4 on Pride: 1.35M tokens predicted, 1.08M trained, and 0.028 bits/byte worse than the d192 × 3 it
     displaced). Between shapes both measured, the measurement decides."""
-    best = min(s.predicted_loss for s in measured)
-    tied = [s for s in measured if s.predicted_loss <= best * (1 + TIE)]
-    return min(tied, key=lambda s: (s.flops_per_token, s.params, s.predicted_loss))
+    return _cheapest_of_the_best(measured, lambda s: s.predicted_loss, lambda s: (s.flops_per_token, s.params))
+
+
+def _cheapest_of_the_best(options: list, loss, cost):
+    """The option of least `loss`, or within TIE of it the one of least `cost` (then least loss)."""
+    best = min(loss(o) for o in options)
+    return min((o for o in options if loss(o) <= best * (1 + TIE)), key=lambda o: (*cost(o), loss(o)))
 
 
 def batch_for(tokens: float, seq_len: int) -> int:
@@ -266,8 +270,7 @@ def choose(model_cfg, vocab_size: int, corpus_tokens: int, *, flops: float | Non
     if not scored:
         raise ValueError(f"model.size auto: no valid shape agrees with the fixed keys {fixed}")
     scored.sort(key=lambda row: row[0])
-    tied = [row for row in scored if row[0] <= scored[0][0] * (1 + TIE)]
-    chosen = min(tied, key=lambda row: (row[4], row[2], row[0]))
+    chosen = _cheapest_of_the_best(scored, lambda row: row[0], lambda row: (row[4], row[2]))
     score, shape, params, non_embedding, per_token, seen = chosen
     runner = next((row for row in scored if row is not chosen), None)
     sized = Sizing(shape, batch_size or batch_for(seen, shape.seq_len), params, non_embedding, per_token, seen,
