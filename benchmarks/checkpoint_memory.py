@@ -54,7 +54,8 @@ def rank(mode: str, d_model: int, layers: int, workdir: Path) -> None:
     dist = setup("fsdp")
     cfg = ModelConfig(d_model=d_model, n_layers=layers, n_heads=d_model // 64, n_kv_heads=d_model // 64, seq_len=64,
                       dropout=0.0)
-    settings = TrainConfig(batch_size=2, max_steps=10, warmup_steps=1, precision="fp32", attention="torch")
+    settings = TrainConfig(batch_size=2, max_steps=10, warmup_steps=1, precision="fp32", attention="torch",
+                           weight_decay=0.1)
     torch.manual_seed(0)
     model = UltraThink(cfg, 8192)
     tokens = np.random.default_rng(0).integers(0, 8192, 20_000).astype(np.uint16)

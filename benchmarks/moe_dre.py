@@ -67,7 +67,8 @@ class Run:
                  workdir: Path):
         self.name = name
         settings = TrainConfig(max_steps=steps, batch_size=BATCH, lr=2e-3, warmup_steps=min(30, steps // 4),
-                               eval_every=10**9, checkpoint_every=10**9, eval_batches=20, precision="auto")
+                               eval_every=10**9, checkpoint_every=10**9, eval_batches=20, precision="auto",
+                               weight_decay=0.1)
         torch.manual_seed(0)
         model = UltraThink(cfg, vocab)
         checkpoints = CheckpointManager(workdir / name, Fingerprint(name, "bench", "bench"), 1, 1)

@@ -54,7 +54,8 @@ def ultrathink_step(workdir: Path, dist: Distributed, compile: bool, model_keys:
     """A Trainer over random tokens on `dist`'s device; returns its train_step and model."""
     cfg = ModelConfig(**{**SHAPE, "dropout": 0.0, **(model_keys or {})})
     settings = TrainConfig(batch_size=BATCH, max_steps=10**6, warmup_steps=10, lr=1e-3, precision="auto",
-                           compile=compile, eval_every=10**9, checkpoint_every=10**9, **train)
+                           compile=compile, eval_every=10**9, checkpoint_every=10**9,
+                           **{"weight_decay": 0.1, **train})  # no plan here: a set decay (its value costs no time)
     tokens = np.random.default_rng(0).integers(0, VOCAB, 200_000).astype(np.uint16)
     torch.manual_seed(0)
     model = UltraThink(cfg, VOCAB)

@@ -14,7 +14,7 @@ from ultrathink.config import Budget, ModelConfig, Params, ParamsError, Tokenize
 from ultrathink.tokenizer import auto_vocab_size, load_tokenizer, train_tokenizer
 from ultrathink.train import sizing
 from ultrathink.train.budget import COMPILE_PAYS_AFTER_SECONDS, Probe, compile_pays, steps_for, warmup_for
-from ultrathink.train.plan import Plan, apply_plan, decide, plan_run
+from ultrathink.train.plan import Decided, Plan, apply_plan, decide, plan_run
 
 AUTO_SHAPE = {k: None for k in sizing.SHAPE_KEYS}
 
@@ -235,6 +235,54 @@ def test_dropouts_repeat_discount_is_the_one_the_measured_runs_fit():
     # Dropout measured better at some of these runs and worse at others: the rule is not "always" nor "never". (Where
     # dropout was run at another shape than the law's, None: those runs do not judge the rule.)
     assert {s.dropout_measured_better(rstar) for s in SWEEPS if s.dropped} - {None} == {True, False}
+
+
+def test_weight_decay_null_follows_the_epochs_planned_and_a_set_value_wins():
+    """train.weight_decay null: the plan decides it from the epochs its steps cover (max_steps × tokens per step
+    over the training tokens): sizing.WEIGHT_DECAY for a few passes, REPEATED_WEIGHT_DECAY from REPEATED_DECAY_EPOCHS;
+    a number set is kept. The optimizer gets what the plan applied, and refuses a null that no plan resolved."""
+    from ultrathink.train.optim import build_optimizers
+
+    model_cfg = ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, seq_len=16)
+    corpus = np.resize(np.arange(60), 6400).astype(np.uint16)  # 6,400 tokens; a step is 4 × 16 = 64 of them
+
+    def planned(steps: int, weight_decay: float | None) -> Plan:
+        train_cfg = TrainConfig(max_steps=steps, warmup_steps=2, batch_size=4, precision="fp32", attention="torch",
+                                compile=False, weight_decay=weight_decay)
+        return plan_run(model_cfg, train_cfg, 64, corpus, corpus[:640], "cpu").plan
+
+    threshold_steps = math.ceil(sizing.REPEATED_DECAY_EPOCHS * 6400 / 64)
+    assert planned(threshold_steps - 1, None).weight_decay == sizing.WEIGHT_DECAY
+    many = planned(threshold_steps, None)
+    assert many.weight_decay == sizing.REPEATED_WEIGHT_DECAY
+    assert "tokens), weight decay 1 (" in Decided(many, True, {}, None, "").describe()
+    assert planned(10 * threshold_steps, 0.3).weight_decay == planned(10, 0.3).weight_decay == 0.3
+    assert [sizing.weight_decay_for(e) for e in (0.5, 3.8, 3.9, 50)] == [0.1, 0.1, 1.0, 1.0]
+
+    _, applied = apply_plan(many, model_cfg, TrainConfig(weight_decay=None))
+    assert applied.weight_decay == sizing.REPEATED_WEIGHT_DECAY
+    assert many.mlflow_params()["plan.weight_decay"] == sizing.REPEATED_WEIGHT_DECAY
+    from ultrathink.model import UltraThink
+    (optimizer,) = build_optimizers(UltraThink(model_cfg, 64), applied)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [sizing.REPEATED_WEIGHT_DECAY, 0.0]
+    with pytest.raises(ValueError, match="train.weight_decay is null: the run's plan decides it"):
+        build_optimizers(UltraThink(model_cfg, 64), TrainConfig(weight_decay=None))
+    # A plan recorded before weight decay was planned (its configuration set a number) leaves that number.
+    old = Plan(None, 10, 1, 64, 1)
+    assert apply_plan(old, model_cfg, TrainConfig(weight_decay=0.05))[1].weight_decay == 0.05
+
+
+def test_the_repeated_texts_weight_decay_starts_where_the_measured_cells_fit():
+    """REPEATED_DECAY_EPOCHS is fitted to runs of one configuration with each decay (sizing_evidence
+    .WEIGHT_DECAY_CELLS): the stronger decay lost at 2.5–3.7 epochs and won from 4.2. Neither decay everywhere
+    does as well: the cells are not "always" nor "never"."""
+    from ultrathink.train.sizing_evidence import WEIGHT_DECAY_CELLS, fit_weight_decay_epochs, weight_decay_regret
+
+    fitted = fit_weight_decay_epochs()
+    assert sizing.REPEATED_DECAY_EPOCHS == fitted
+    assert weight_decay_regret(0.0) > weight_decay_regret(fitted) + 0.01  # the strong decay everywhere
+    assert weight_decay_regret(math.inf) > weight_decay_regret(fitted) + 0.05  # never
+    assert {c.repeated < c.base for c in WEIGHT_DECAY_CELLS} == {True, False}
 
 
 def test_a_time_plan_probes_dropout_where_it_could_pay_and_keeps_it_only_if_it_does():

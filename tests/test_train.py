@@ -31,8 +31,8 @@ FP = Fingerprint("params", "data", "code")
 
 
 def make_trainer(tmp_path, steps, seed=0, model_cfg=MODEL, fingerprint=FP, **overrides) -> Trainer:
-    settings = dict(max_steps=steps, batch_size=4, lr=1e-2, warmup_steps=2, eval_every=5, eval_batches=2,
-                    checkpoint_every=5, log_every=5, precision="fp32", seed=seed)
+    settings = dict(max_steps=steps, batch_size=4, lr=1e-2, warmup_steps=2, weight_decay=0.1, eval_every=5,
+                    eval_batches=2, checkpoint_every=5, log_every=5, precision="fp32", seed=seed)
     cfg = TrainConfig(**(settings | overrides))
     torch.manual_seed(seed)
     model = UltraThink(model_cfg, VOCAB)
@@ -94,7 +94,7 @@ def test_the_global_batch_is_the_same_on_any_number_of_ranks_and_each_rank_reads
 
 
 def test_a_loader_that_reads_other_micro_batches_than_grad_accum_says_is_refused():
-    cfg = TrainConfig(batch_size=4, grad_accum=2, precision="fp32")
+    cfg = TrainConfig(batch_size=4, grad_accum=2, precision="fp32", weight_decay=0.1)
     dist = Distributed()
     engine = build_engine(ready_model(UltraThink(MODEL, VOCAB), cfg, None, dist), cfg, dist)
     loader = TokenWindows(corpus(), MODEL.seq_len, cfg.batch_size, cfg.seed)  # grad_accum forgotten

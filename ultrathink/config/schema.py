@@ -360,7 +360,11 @@ class TrainConfig(Section):
     warmup_fraction: float | None = Field(
         None, ge=0, le=0.5, description="warmup as a share of the run's steps, replacing warmup_steps (so it "
         "follows a budget)")
-    weight_decay: float = Field(0.1, ge=0)
+    weight_decay: float | None = Field(
+        None, ge=0, description="AdamW's (and Lion's, Muon's) decoupled decay on the hidden matrices, not on norms "
+        "or embeddings. null: decided by the run's plan from the epochs it trains (ultrathink/train/sizing.py: "
+        "weight_decay_for): 0.1, or 1.0 for a run that sees its corpus about 4 times or more, where the stronger "
+        "decay measured better at no cost per step (benchmarks/README.md)")
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
     grad_clip: float = Field(1.0, ge=0, description="clip the global gradient norm to this; 0 turns clipping off")

@@ -39,6 +39,9 @@ def _adamw(groups: list[dict], cfg: TrainConfig) -> torch.optim.Optimizer:
 
 def build_optimizers(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Optimizer]:
     """One optimizer, or two for Muon (which is defined only for 2-D matrices)."""
+    if cfg.weight_decay is None:
+        raise ValueError("train.weight_decay is null: the run's plan decides it from the epochs it trains "
+                         "(ultrathink.train.plan.apply_plan); set a number to build optimizers without a plan")
     if cfg.optimizer == "adamw":
         return [_adamw(param_groups(model, cfg.weight_decay), cfg)]
     if cfg.optimizer == "lion":

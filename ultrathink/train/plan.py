@@ -96,6 +96,7 @@ class Plan:
     attention_ms: dict = field(default_factory=dict)  # what attention auto measured
     replans: list = field(default_factory=list)  # [step, new max_steps] as a time budget's run re-planned
     machine: str = ""  # the machine class it was made on
+    weight_decay: float | None = None  # train.weight_decay's, or (null) decided from the planned epochs
 
     @classmethod
     def from_dict(cls, raw: dict) -> "Plan":
@@ -113,7 +114,8 @@ class Plan:
         budget's run revises it while training (before the schedule's decay, so the steps taken do not change)."""
         return {"precision": self.precision, "attention": self.attention, "compile": self.compile,
                 "warmup_steps": self.warmup_steps, "shape": self.sizing.get("shape"),
-                "batch_size": self.sizing.get("batch_size"), "dropout": self.sizing.get("dropout")}
+                "batch_size": self.sizing.get("batch_size"), "dropout": self.sizing.get("dropout"),
+                "weight_decay": self.weight_decay}
 
     def summary(self) -> dict:
         """The decisions and the steps taken, without the timings behind them (those stay in the plan book and the
@@ -124,7 +126,8 @@ class Plan:
     def mlflow_params(self) -> dict[str, object]:
         params = {"plan.max_steps": self.max_steps, "plan.warmup_steps": self.warmup_steps,
                   "plan.tokens": self.max_steps * self.tokens_per_step, "plan.precision": self.precision,
-                  "plan.attention": label(self.kernel), "plan.compile": self.compile, "plan.machine": self.machine}
+                  "plan.attention": label(self.kernel), "plan.compile": self.compile, "plan.machine": self.machine,
+                  "plan.weight_decay": self.weight_decay}
         if self.probe:
             params.update({"plan.step_seconds": round(self.probe.step_seconds, 4),
                            "plan.probe_seconds": round(self.probe.seconds, 2)})
@@ -136,11 +139,15 @@ class Plan:
 
 
 def apply_plan(plan: Plan, model_cfg, train_cfg):
-    """The model and train configs a plan resolved: shape and batch, steps, warmup, compile and precision."""
+    """The model and train configs a plan resolved: shape and batch, steps, warmup, compile, precision and weight
+    decay."""
     if plan.sizing:
         model_cfg, train_cfg = _sized(model_cfg, train_cfg, Sizing.from_dict(plan.sizing))
-    return model_cfg, train_cfg.model_copy(update={"max_steps": plan.max_steps, "warmup_steps": plan.warmup_steps,
-                                                   "compile": plan.compile, "precision": plan.precision})
+    decided = {"max_steps": plan.max_steps, "warmup_steps": plan.warmup_steps, "compile": plan.compile,
+               "precision": plan.precision}
+    if plan.weight_decay is not None:  # None: a plan from before it was decided, of a configuration that set it
+        decided["weight_decay"] = plan.weight_decay
+    return model_cfg, train_cfg.model_copy(update=decided)
 
 
 def _sized(model_cfg, train_cfg, sized):
@@ -271,7 +278,8 @@ class Decided:
         origin = "measured on" if self.measured else "recorded for"
         line = (f"plan: {plan.precision}, attention {label(plan.kernel)}"
                 f"{', compiled' if plan.compile else ''}, {plan.max_steps} steps "
-                f"({plan.max_steps * plan.tokens_per_step:,} tokens)")
+                f"({plan.max_steps * plan.tokens_per_step:,} tokens)"
+                + ("" if plan.weight_decay is None else f", weight decay {plan.weight_decay:g}"))
         if plan.budget:
             line += f" for budget {plan.budget}"
         if plan.probe:
@@ -355,9 +363,12 @@ def other_class_line(plan: Plan, others: dict[str, Plan]) -> str:
 def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, world_size: int,
            gflops: dict[str, float] | None, probe: Callable[..., Probe]) -> Plan:
     """Precision, then (model.size auto) the shape, the attention kernel for it, the probe a time budget or
-    compile auto needs, the steps and compile."""
+    compile auto needs, the steps, compile and (train.weight_decay null) the weight decay for the epochs planned."""
 
     precision = decide_precision(train_cfg.precision, device, gflops)
+    weight_decay = train_cfg.weight_decay
+    if weight_decay is None:  # probes step with the base decay: its value costs nothing per step
+        train_cfg = train_cfg.model_copy(update={"weight_decay": sizing.WEIGHT_DECAY})
     if train_cfg.precision == "auto":
         log.info("precision auto → %s (matmul peak: %s)", precision,
                  ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in (gflops or {}).items()) or "GPU")
@@ -442,5 +453,8 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
         train_cfg.max_steps
     warmup = warmup_for(max_steps, train_cfg)
     compile = compile_pays(train_cfg, model_cfg, max_steps, measured, device)
+    if weight_decay is None:
+        weight_decay = sizing.weight_decay_for(max_steps * tokens_per_step / len(train_tokens))
     return Plan(train_cfg.budget, max_steps, warmup, tokens_per_step, flops_per_token, precision,
-                kernel.to_dict(), compile, measured, sized.to_dict() if sized else {}, timings)
+                kernel.to_dict(), compile, measured, sized.to_dict() if sized else {}, timings,
+                weight_decay=weight_decay)

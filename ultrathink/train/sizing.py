@@ -68,6 +68,14 @@ DROPOUT_MIN_PARAMS_PER_TOKEN = 5.6
 # moves with the machine's load would otherwise pick either. A tie goes to the cheaper shape (fewer FLOPs per
 # token, then fewer parameters): more steps in the same budget.
 TIE = 0.005
+# train.weight_decay null: AdamW's decoupled decay on the hidden matrices, by the epochs a run is planned to see. A
+# regulariser that costs nothing per step, so unlike dropout it needs no speed measured: WEIGHT_DECAY below
+# REPEATED_DECAY_EPOCHS passes over the corpus, REPEATED_WEIGHT_DECAY from there. Fitted to runs at equal steps
+# (sizing_evidence.WEIGHT_DECAY_CELLS): 1.0 lost 0.006–0.018 bits/byte at 2.5–3.7 epochs, won 0.009–0.092 at 4.2–7
+# (tied once, 0.002 worse at 4.6).
+WEIGHT_DECAY = 0.1
+REPEATED_WEIGHT_DECAY = 1.0
+REPEATED_DECAY_EPOCHS = 3.9
 MIN_BATCH = 4
 HEAD_DIM = 64
 MAX_LAYERS = 32
@@ -219,6 +227,11 @@ def with_dropout(sized: "Sizing", corpus_tokens: int, slowdown: float = 1.0) -> 
     if not dropout_pays(sized.non_embedding_params, sized.tokens, dropped, corpus_tokens):
         return replace(sized, dropout=0.0)
     return replace(sized, dropout=DROPOUT, tokens=dropped, epochs=dropped / corpus_tokens)
+
+
+def weight_decay_for(epochs: float, threshold: float = REPEATED_DECAY_EPOCHS) -> float:
+    """train.weight_decay null: the decay for a run planned to see its corpus `epochs` times."""
+    return REPEATED_WEIGHT_DECAY if epochs >= threshold else WEIGHT_DECAY
 
 
 def at_measured_speed(sized: Sizing, corpus_tokens: int, seconds: float, seconds_per_token: float,

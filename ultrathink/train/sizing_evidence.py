@@ -227,3 +227,49 @@ def fit_dropout(repeat_decay: float, sweeps: tuple[Sweep, ...] = SWEEPS) -> tupl
         candidates.append((total_dropout_regret(repeat_decay, decay, threshold, sweeps), decay, threshold))
     best = min(regret for regret, _, _ in candidates)
     return min((decay, threshold) for regret, decay, threshold in candidates if regret <= best + 1e-9)
+
+
+@dataclass(frozen=True)
+class DecayCell:
+    """One configuration trained with sizing.WEIGHT_DECAY and with sizing.REPEATED_WEIGHT_DECAY, nothing else
+    changed: at equal steps (`--budget Nsteps`: such runs repeat to the last digit, and decay costs nothing per
+    step, so equal steps are equal seconds) unless `how` says otherwise. `epochs`: tokens trained / the corpus's."""
+    corpus: str
+    shape: str
+    epochs: float
+    base: float  # held-out bits per byte with the base decay
+    repeated: float  # with the repeated-text decay
+    how: str = "equal steps"
+
+    def regret(self, threshold: float) -> float:
+        """How much worse the decay sizing.weight_decay_for picks at `threshold` measured than the better one."""
+        picked = self.repeated if self.epochs >= threshold else self.base
+        return picked - min(self.base, self.repeated)
+
+
+# 2026-11-25/26, seventh and eleventh sessions, the same machine, bf16; the shapes the sizing picked at 2 and 5
+# minutes, batch as planned there (benchmarks/README.md, "Weight decay by the epochs planned").
+WEIGHT_DECAY_CELLS: tuple[DecayCell, ...] = (
+    DecayCell("WikiText-2", "d192x3, batch 16, 1000 steps", 2.47, 1.7576, 1.7759),
+    DecayCell("WikiText-2", "d192x2, batch 32, 693 steps", 3.42, 1.7516, 1.7573),
+    DecayCell("Pride, ntoll's copy", "d192x2, batch 8, 1063 steps", 3.66, 1.7085, 1.7158),
+    DecayCell("tiny Shakespeare", "d192x3, batch 16, 1000 steps", 4.19, 2.1748, 2.1660),
+    DecayCell("Pride, ntoll's copy", "d256x3, batch 8, 672 steps", 4.63, 1.6497, 1.6519),
+    DecayCell("tiny Shakespeare", "d256x4, batch 16, 627 steps", 5.25, 2.1675, 2.1429),
+    DecayCell("Pride, ntoll's copy", "d192x3, batch 16, 1000 steps", 6.90, 1.6469, 1.6258),
+    DecayCell("tiny Shakespeare", "d320x4, batch 16, 10 minutes", 6.81, 2.2060, 2.1140,
+              how="equal seconds: 813 and 839 steps"),
+)
+
+
+def weight_decay_regret(threshold: float, cells: tuple[DecayCell, ...] = WEIGHT_DECAY_CELLS) -> float:
+    return sum(c.regret(threshold) for c in cells)
+
+
+def fit_weight_decay_epochs(cells: tuple[DecayCell, ...] = WEIGHT_DECAY_CELLS) -> float:
+    """The planned epochs from which the repeated-text decay is used: of the geometric middles (2 figures) between
+    neighbouring cells' epochs, the one of least total regret; among equals the lowest (more runs regularised)."""
+    epochs = sorted({c.epochs for c in cells})
+    middles = [sizing.round_figures(math.sqrt(a * b)) for a, b in zip(epochs, epochs[1:])]
+    best = min(weight_decay_regret(m, cells) for m in middles)
+    return min(m for m in middles if weight_decay_regret(m, cells) <= best + 1e-9)
