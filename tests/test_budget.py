@@ -185,20 +185,24 @@ def test_dropout_is_kept_where_the_law_predicts_it_pays_and_a_set_value_wins():
     """model.dropout null: 0 with a manual shape; with size auto, sizing.DROPOUT where the tokens it leaves, repeats
     discounted at DROPOUT_REPEAT_DECAY, are predicted to beat those without it by more than TIE: not for a few
     passes over the corpus, yes for many, never once a step with it costs too many tokens, and never less for more
-    epochs. A number set in params.yaml is kept at any budget."""
+    epochs. A number set in params.yaml is kept at any budget. All beside the base weight decay: beside the
+    repeated-text one (set, or planned for many epochs) dropout is never kept."""
     assert Params(model=AUTO_SHAPE).model.dropout == 0.0
-    auto = ModelConfig(size="auto")
-    few, many = (sizing.choose(auto, 512, 300_000, flops=f) for f in (1e12, 1e15))
+    auto, base = ModelConfig(size="auto"), sizing.WEIGHT_DECAY
+    few, many = (sizing.choose(auto, 512, 300_000, flops=f, weight_decay=base) for f in (1e12, 1e15))
     assert few.epochs < 2 < 10 < many.epochs
     assert (few.dropout, many.dropout) == (0.0, sizing.DROPOUT)
+    for decay in (None, sizing.REPEATED_WEIGHT_DECAY):  # null: many epochs plan the repeated-text decay
+        assert sizing.choose(auto, 512, 300_000, flops=1e15, weight_decay=decay).dropout == 0.0
     assert many.tokens == pytest.approx(1e15 / many.flops_per_token)  # a FLOPs budget: dropout costs no tokens
     undropped = sizing.choose(ModelConfig(size="auto", dropout=0.0), 512, 300_000, flops=1e15)
     assert undropped.shape == many.shape and undropped.dropout == 0.0
-    slower = sizing.with_dropout(undropped, 300_000, slowdown=1.25)
+    slower = sizing.with_dropout(undropped, 300_000, slowdown=1.25, weight_decay=base)
+    assert sizing.with_dropout(undropped, 300_000, slowdown=1.25).dropout == 0.0  # null: the repeated decay
     assert slower.dropout == sizing.DROPOUT and slower.tokens == pytest.approx(undropped.tokens / 1.25)
     assert slower.epochs == pytest.approx(slower.tokens / 300_000)
-    assert sizing.with_dropout(undropped, 300_000, slowdown=4.0) == undropped  # too dear: no dropout, same tokens
-    assert sizing.with_dropout(undropped, 300_000, slowdown=0.8).tokens == undropped.tokens  # faster: noise, 1×
+    assert sizing.with_dropout(undropped, 300_000, 4.0, base) == undropped  # too dear: no dropout, same tokens
+    assert sizing.with_dropout(undropped, 300_000, 0.8, base).tokens == undropped.tokens  # faster: noise, 1×
     # For one shape and slowdown, more epochs never turn dropout off.
     kept = [sizing.dropout_pays(undropped.non_embedding_params, e * 300_000, e * 300_000 / 1.3, 300_000)
             for e in (1, 2, 4, 6, 8, 12, 20, 50)]
@@ -210,7 +214,8 @@ def test_dropout_is_kept_where_the_law_predicts_it_pays_and_a_set_value_wins():
     for level in (0.0, 0.2):
         assert sizing.choose(ModelConfig(size="auto", dropout=level), 512, 300_000, flops=1e15).dropout == level
         assert sizing.choose(ModelConfig(size="auto", dropout=level), 512, 300_000, flops=1e12).dropout == level
-    model, _ = apply_plan(Plan("1e15flops", 10, 1, 64, 1, sizing=many.to_dict()), auto, TrainConfig(budget="1e15flops"))
+    model, _ = apply_plan(Plan("1e15flops", 10, 1, 64, 1, sizing=many.to_dict()), auto,
+                          TrainConfig(budget="1e15flops", weight_decay=base))
     assert model.dropout == many.dropout and model.resolved and "dropout 0.1" in many.explain()
     old = {k: v for k, v in many.to_dict().items() if k != "dropout"}  # a plan recorded before dropout was sized
     assert "dropout" not in sizing.Sizing.from_dict(old).explain()
@@ -255,7 +260,7 @@ def test_weight_decay_null_follows_the_epochs_planned_and_a_set_value_wins():
     assert planned(threshold_steps - 1, None).weight_decay == sizing.WEIGHT_DECAY
     many = planned(threshold_steps, None)
     assert many.weight_decay == sizing.REPEATED_WEIGHT_DECAY
-    assert "tokens), weight decay 1 (" in Decided(many, True, {}, None, "").describe()
+    assert "tokens), weight decay 1 (measured on" in Decided(many, True, {}, None, "").describe()
     assert planned(10 * threshold_steps, 0.3).weight_decay == planned(10, 0.3).weight_decay == 0.3
     assert [sizing.weight_decay_for(e) for e in (0.5, 3.8, 3.9, 50)] == [0.1, 0.1, 1.0, 1.0]
 
@@ -285,13 +290,25 @@ def test_the_repeated_texts_weight_decay_starts_where_the_measured_cells_fit():
     assert {c.repeated < c.base for c in WEIGHT_DECAY_CELLS} == {True, False}
 
 
+def test_dropout_is_not_weighed_beside_the_repeated_texts_decay_where_the_runs_say_so():
+    """Where dropout paid beside the base decay (10 minutes on two corpora), the repeated-text decay alone
+    measured better than with dropout added, and better than dropout beside the base decay: so the plan weighs
+    dropout only beside a decay below REPEATED_WEIGHT_DECAY (sizing.with_dropout)."""
+    from ultrathink.train.sizing_evidence import DROPOUT_OVER_DECAY
+
+    assert len(DROPOUT_OVER_DECAY) >= 2
+    assert all(c.undropped < min(c.dropped, c.base_dropped) for c in DROPOUT_OVER_DECAY)
+
+
 def test_a_time_plan_probes_dropout_where_it_could_pay_and_keeps_it_only_if_it_does():
     """The shape is sized at the step speed without dropout (what the loss law's runs had); where dropout could
     pay were it free, its step at that shape is probed and the law decides at the measured slowdown; the run's
     steps then come from the probe of what was chosen. A dropout set in params.yaml is probed from the first probe
-    on, and a budget too short for dropout to pay probes none."""
-    def planned(model_cfg, budget="20s", cost=0.1):
-        train_cfg = TrainConfig(budget=budget, batch_size=None, precision="fp32", attention="torch", eval_batches=2)
+    on, and a budget too short for dropout to pay probes none. All beside the base weight decay: where the plan
+    picks the repeated-text decay (null, many epochs) dropout is not weighed, so not probed."""
+    def planned(model_cfg, budget="20s", cost=0.1, weight_decay=sizing.WEIGHT_DECAY):
+        train_cfg = TrainConfig(budget=budget, batch_size=None, precision="fp32", attention="torch", eval_batches=2,
+                                weight_decay=weight_decay)
         probed = []
 
         def probe(model, train, kernel):
@@ -321,6 +338,9 @@ def test_a_time_plan_probes_dropout_where_it_could_pay_and_keeps_it_only_if_it_d
     assert kept.sizing["dropout"] == 0.0 and set(probed) == {0.0}
     set_high, probed = planned(ModelConfig(size="auto", dropout=0.2))
     assert set_high.sizing["dropout"] == 0.2 and set(probed) == {0.2}
+    decayed, probed = planned(ModelConfig(size="auto"), weight_decay=None)
+    assert decayed.weight_decay == sizing.REPEATED_WEIGHT_DECAY and decayed.sizing["dropout"] == 0.0
+    assert set(probed) == {0.0} and decayed.sizing["shape"] == plan.sizing["shape"]
 
 
 def test_auto_vocabulary_follows_the_corpus_size(tmp_path):
@@ -424,6 +444,8 @@ def test_train_stage_spends_a_budget_records_the_plan_and_reuses_it(tmp_path, mo
     assert run.data.params["train.budget"] == "6s" and run.data.params["model.size"] == "auto"
     assert int(run.data.params["plan.model.d_model"]) == plan["sizing"]["shape"]["d_model"]
     assert float(run.data.params["plan.model.dropout"]) == config["dropout"]
+    assert float(run.data.params["plan.weight_decay"]) == plan["weight_decay"] in (sizing.WEIGHT_DECAY,
+                                                                                  sizing.REPEATED_WEIGHT_DECAY)
     # The loss curve has every step's point (sent in batches of log_every).
     assert len(client_for(project).get_metric_history(run.info.run_id, "train_loss")) == plan["max_steps"]
 
@@ -437,6 +459,7 @@ def test_train_stage_spends_a_budget_records_the_plan_and_reuses_it(tmp_path, mo
     params = load_params(project / "params.yaml")
     trainer, _, again = pretrain.build_trainer(params, Distributed())
     assert not again.measured and again.plan.to_dict() == plan and trainer.cfg.max_steps == plan["max_steps"]
+    assert trainer.engine.optimizers[0].param_groups[0]["weight_decay"] == plan["weight_decay"]
     assert trainer.resume() == plan["max_steps"]
 
 

@@ -273,7 +273,9 @@ class ModelConfig(Section):
                                   "outputs. null: 0 with size manual; with size auto, 0.1 where the sizing's loss "
                                   "law predicts it pays at the chosen shape (ultrathink/train/sizing.py: "
                                   "with_dropout): off for a few passes over the corpus, where it only costs steps, "
-                                  "on for many, where the model overfits without it (benchmarks/README.md)")
+                                  "on for many, where the model overfits without it; never beside a weight decay of "
+                                  "1.0 or more (train.weight_decay null plans it for many passes), which "
+                                  "regularises better (benchmarks/README.md)")
     init_std: float = Field(0.02, gt=0)
     moe: MoEConfig = MoEConfig()
     dre: DREConfig = DREConfig()
@@ -364,7 +366,7 @@ class TrainConfig(Section):
         None, ge=0, description="AdamW's (and Lion's, Muon's) decoupled decay on the hidden matrices, not on norms "
         "or embeddings. null: decided by the run's plan from the epochs it trains (ultrathink/train/sizing.py: "
         "weight_decay_for): 0.1, or 1.0 for a run that sees its corpus about 4 times or more, where the stronger "
-        "decay measured better at no cost per step (benchmarks/README.md)")
+        "decay measured better at no cost per step, and better than dropout (benchmarks/README.md)")
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
     grad_clip: float = Field(1.0, ge=0, description="clip the global gradient norm to this; 0 turns clipping off")

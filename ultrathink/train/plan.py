@@ -278,8 +278,7 @@ class Decided:
         origin = "measured on" if self.measured else "recorded for"
         line = (f"plan: {plan.precision}, attention {label(plan.kernel)}"
                 f"{', compiled' if plan.compile else ''}, {plan.max_steps} steps "
-                f"({plan.max_steps * plan.tokens_per_step:,} tokens)"
-                + ("" if plan.weight_decay is None else f", weight decay {plan.weight_decay:g}"))
+                f"({plan.max_steps * plan.tokens_per_step:,} tokens)")
         if plan.budget:
             line += f" for budget {plan.budget}"
         if plan.probe:
@@ -287,6 +286,8 @@ class Decided:
                      f"validation {plan.probe.eval_seconds:.2f} s)")
         if plan.replans:
             line += f", re-planned while training: {', '.join(f'step {s} → {n}' for s, n in plan.replans)}"
+        if plan.weight_decay is not None:
+            line += f", weight decay {plan.weight_decay:g}"
         if plan.sizing:
             line += "; " + Sizing.from_dict(plan.sizing).explain()
         return f"{line} ({origin} {plan.machine})"
@@ -413,14 +414,14 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
             timed = []  # each probed shape at the tokens its probe's speed buys
             for _ in range(2):
                 sized = sizing.choose(model_cfg, vocab_size, corpus, seconds=budget.amount, cost=cost,
-                                      batch_size=train_cfg.batch_size)
+                                      batch_size=train_cfg.batch_size, weight_decay=weight_decay)
                 shaped_model, shaped_train = _sized(model_cfg, train_cfg, sized)
                 if not probe_unless_last(shaped_model.model_copy(update=undropped), shaped_train):
                     break
                 tokens_per_step = shaped_train.batch_size * shaped_train.grad_accum * shaped_model.seq_len
                 seconds_per_token = probes[-1][1][2].step_seconds / tokens_per_step
                 timed.append(sizing.at_measured_speed(sized, corpus, budget.amount, seconds_per_token,
-                                                         model_cfg.dropout))
+                                                      model_cfg.dropout, weight_decay))
                 cost = sizing.StepCost.fitted(round_figures(peak_rate), sized.shape, sized.flops_per_token,
                                               seconds_per_token)
             sized = sizing.best_measured(timed)
@@ -430,11 +431,12 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
                 undropped_step = probes[-1][1][2].step_seconds
                 probe_unless_last(*_sized(model_cfg, train_cfg, sized))
                 slowdown = probes[-1][1][2].step_seconds / undropped_step
-                sized = sizing.with_dropout(sized, corpus, slowdown)  # its tokens: still those without dropout
+                sized = sizing.with_dropout(sized, corpus, slowdown, weight_decay)  # tokens: those without dropout
                 log.info("model.dropout null: a step with dropout %g measured %.2f× as long at this shape; %s",
                          sizing.DROPOUT, slowdown, "kept" if sized.dropout else "predicted not to pay: 0")
         else:
             sized = sizing.choose(model_cfg, vocab_size, corpus, batch_size=train_cfg.batch_size,
+                                  weight_decay=weight_decay,
                                   **{"flops" if budget.kind == "flops" else "tokens": budget.amount})
         model_cfg, train_cfg = _sized(model_cfg, train_cfg, sized)
     tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * model_cfg.seq_len  # the global batch

@@ -28,7 +28,9 @@ also kept only for models with many parameters per unique token (DROPOUT_MIN_PAR
 are fitted to runs side by side (sizing_evidence.py): the 2-minute models (1–6 parameters per token) measured
 0.04–0.08 bits/byte worse with it at 3.5–7 epochs, 5 minutes on Pride (17 per token, 5.7 epochs, as the law
 predicts) 0.04 worse, the 10-minute ones (10 and 21 per token, 7–9 epochs) 0.07–0.11 better, where without it 10
-minutes measured worse than 2.
+minutes measured worse than 2. Dropout is weighed only beside a weight decay below REPEATED_WEIGHT_DECAY: the
+plan gives a run of many epochs that decay (train.weight_decay null, weight_decay_for), and at 10 minutes on two
+corpora the decay alone then measured better than with dropout added (sizing_evidence.DROPOUT_OVER_DECAY).
 
 The batch is the one that gives about TARGET_STEPS optimizer steps (a power of two of sequences, at least
 MIN_BATCH): small budgets need many small steps more than large batches. The learning rate is train.lr's.
@@ -218,13 +220,19 @@ def dropout_pays(non_embedding_params: int, tokens: float, dropped_tokens: float
     return predicted_loss(non_embedding_params, dropped_tokens, corpus_tokens, dropout_decay) < without * (1 - TIE)
 
 
-def with_dropout(sized: "Sizing", corpus_tokens: int, slowdown: float = 1.0) -> "Sizing":
+def with_dropout(sized: "Sizing", corpus_tokens: int, slowdown: float = 1.0,
+                 weight_decay: float | None = None) -> "Sizing":
     """`sized` (its tokens at the step speed without dropout) with model.dropout null decided: DROPOUT where it pays
     when a step with it takes `slowdown`× as long, its tokens and epochs then those of the dropped run; else 0. A
     slowdown of 1 (dropout free) is the most it can pay: a time budget measures the real one (a step with dropout
-    does more work, so a measured slowdown below 1 is noise and counts as 1)."""
+    does more work, so a measured slowdown below 1 is noise and counts as 1). Never beside a weight decay of
+    REPEATED_WEIGHT_DECAY or more (`weight_decay`: train.weight_decay's; null: weight_decay_for the sized epochs):
+    that decay regularises the repeated text instead, and dropout on top of it measured no better where dropout
+    had paid beside the base decay (sizing_evidence.DROPOUT_OVER_DECAY)."""
+    decay = weight_decay_for(sized.epochs) if weight_decay is None else weight_decay
     dropped = sized.tokens / max(1.0, slowdown)
-    if not dropout_pays(sized.non_embedding_params, sized.tokens, dropped, corpus_tokens):
+    if decay >= REPEATED_WEIGHT_DECAY or not dropout_pays(sized.non_embedding_params, sized.tokens, dropped,
+                                                          corpus_tokens):
         return replace(sized, dropout=0.0)
     return replace(sized, dropout=DROPOUT, tokens=dropped, epochs=dropped / corpus_tokens)
 
@@ -235,13 +243,13 @@ def weight_decay_for(epochs: float, threshold: float = REPEATED_DECAY_EPOCHS) ->
 
 
 def at_measured_speed(sized: Sizing, corpus_tokens: int, seconds: float, seconds_per_token: float,
-                      dropout: float | None) -> Sizing:
+                      dropout: float | None, weight_decay: float | None = None) -> Sizing:
     """`sized` with the tokens `seconds` buy at a measured speed (its probe's, at its batch), the loss the law
     predicts for them, and model.dropout's value, or (null) dropout decided again for those tokens."""
     tokens = seconds / seconds_per_token
     timed = replace(sized, tokens=tokens, epochs=tokens / corpus_tokens, dropout=dropout,
                     predicted_loss=predicted_loss(sized.non_embedding_params, tokens, corpus_tokens))
-    return timed if dropout is not None else with_dropout(timed, corpus_tokens)
+    return timed if dropout is not None else with_dropout(timed, corpus_tokens, weight_decay=weight_decay)
 
 
 def best_measured(measured: list[Sizing]) -> Sizing:
@@ -266,9 +274,10 @@ def batch_for(tokens: float, seq_len: int) -> int:
 
 def choose(model_cfg, vocab_size: int, corpus_tokens: int, *, flops: float | None = None,
            tokens: float | None = None, seconds: float | None = None, cost: StepCost | None = None,
-           batch_size: int | None = None) -> Sizing:
+           batch_size: int | None = None, weight_decay: float | None = None) -> Sizing:
     """The shape for a budget of `flops` (compute), `tokens`, or `seconds` at `cost`, on a corpus of
-    `corpus_tokens` training tokens. Shape keys of `model_cfg` that are set (not null) are kept."""
+    `corpus_tokens` training tokens. Shape keys of `model_cfg` that are set (not null) are kept; `weight_decay`
+    (train.weight_decay's) has a say in dropout (with_dropout)."""
     fixed = {k: getattr(model_cfg, k) for k in SHAPE_KEYS if getattr(model_cfg, k) is not None}
     scored = []
     for shape in candidate_shapes(fixed):
@@ -289,4 +298,4 @@ def choose(model_cfg, vocab_size: int, corpus_tokens: int, *, flops: float | Non
     sized = Sizing(shape, batch_size or batch_for(seen, shape.seq_len), params, non_embedding, per_token, seen,
                    seen / corpus_tokens, score, {"shape": asdict(runner[1]), "score": runner[0]} if runner else {},
                    model_cfg.dropout)
-    return sized if model_cfg.dropout is not None else with_dropout(sized, corpus_tokens)
+    return sized if model_cfg.dropout is not None else with_dropout(sized, corpus_tokens, weight_decay=weight_decay)

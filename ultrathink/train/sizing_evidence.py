@@ -273,3 +273,21 @@ def fit_weight_decay_epochs(cells: tuple[DecayCell, ...] = WEIGHT_DECAY_CELLS) -
     middles = [sizing.round_figures(math.sqrt(a * b)) for a, b in zip(epochs, epochs[1:])]
     best = min(weight_decay_regret(m, cells) for m in middles)
     return min(m for m in middles if weight_decay_regret(m, cells) <= best + 1e-9)
+
+
+@dataclass(frozen=True)
+class DropoutOverDecay:
+    """The law's pick at a budget where dropout paid beside the base decay (a sweep's dropped run), trained with
+    the repeated-text decay with and without dropout, side by side in one process for the same seconds."""
+    corpus: str
+    shape: str
+    undropped: float  # bits per byte: sizing.REPEATED_WEIGHT_DECAY, dropout 0
+    dropped: float  # sizing.REPEATED_WEIGHT_DECAY and sizing.DROPOUT
+    base_dropped: float  # sizing.WEIGHT_DECAY and sizing.DROPOUT: what the rule kept before the decay was planned
+
+
+# 2026-11-26, eleventh session, the same machine, bf16, `--budget 10min --variant nodrop=model.dropout=0`.
+DROPOUT_OVER_DECAY: tuple[DropoutOverDecay, ...] = (
+    DropoutOverDecay("tiny Shakespeare", "d320x4, 838 steps; with dropout 601", 2.1118, 2.1262, 2.1385),
+    DropoutOverDecay("Pride, ntoll's copy", "d320x5, 1325 steps; with dropout 497", 1.5951, 1.5993, 1.6040),
+)
