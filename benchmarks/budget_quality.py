@@ -84,7 +84,7 @@ def train_and_score(project: Path, held_out: Path, budget: str, overrides: list[
             "corpus_tokens": corpus_tokens,
             "params": summary["params"], "vocab": config["vocab_size"], "non_embedding_params": non_embedding,
             "tokens": summary["steps"] * summary["plan"]["tokens_per_step"], "shape": asdict(shape),
-            "dropout": model.dropout,
+            "dropout": model.dropout, "weight_decay": summary["plan"].get("weight_decay"),
             "sizing": sizing_line.split("model.size auto:")[-1].split(" — ")[0].strip()}
 
 
