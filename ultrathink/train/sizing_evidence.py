@@ -243,7 +243,8 @@ class DecayCell:
 
     def regret(self, threshold: float) -> float:
         """How much worse the decay sizing.weight_decay_for picks at `threshold` measured than the better one."""
-        picked = self.repeated if self.epochs >= threshold else self.base
+        repeated = sizing.weight_decay_for(self.epochs, threshold) == sizing.REPEATED_WEIGHT_DECAY
+        picked = self.repeated if repeated else self.base
         return picked - min(self.base, self.repeated)
 
 
