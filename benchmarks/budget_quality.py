@@ -8,8 +8,8 @@ run it (`python -m tasks.<stage>` in a copy of this project, so validate, the to
 real stages: prepared once per corpus, then trained afresh for each budget and variant, with no checkpoint or plan
 of an earlier run). `--set` adds params to every run (e.g. --set train.precision=fp32); `--variant` names a further
 run per budget with its own params (e.g. --variant qk=model.qk_norm=false), to compare ideas at equal wall-clock;
-a variant that sets data.*, tokenizer.* or prepare.* keys (e.g. tokenizer.vocab_size=1024) trains on a copy
-prepared with them.
+a variant that sets data-side keys (data.*, validate.*, constitution.*, tokenizer.*, prepare.*; e.g.
+tokenizer.vocab_size=1024) trains on a copy prepared with them.
 
 The baseline is nanoGPT's README CPU run of shakespeare_char, given the same seconds the way a user with this
 machine would set `max_iters`: its step is timed first and its iteration count (and so its cosine decay) fitted to
@@ -17,15 +17,22 @@ the seconds, at most the README's 2000. It runs where the train stage runs: on t
 
     .venv/bin/python benchmarks/budget_quality.py [--corpus FILE|embedded ...] [--budget 2min ...]
         [--set key=value ...] [--variant NAME=key=value[,key=value] ...] [--skip-baseline] [--match 2min]
-        [--repeats N] [--grid]
+        [--repeats N] [--grid] [--workdir DIR [--prepare-only]]
 
 --match 2min: the baseline trains for 2 minutes on each corpus and every budget of ours is compared with that score
 (time to quality). --grid trains once per optimizer × schedule (AdamW, Muon, Lion × cosine, WSD) at the same budget.
+--workdir DIR keeps the prepared copies in DIR (else a temporary folder) and reuses one whose corpus, data-side params
+and data-side code (the module closures of the validate, tokenizer and prepare stages, params.yaml and
+constitution.yaml) are those that made it, refreshing its training code from this checkout. So a machine without
+Great Expectations or DVC (a GPU image) can train on copies prepared elsewhere: it never runs the data-side stages.
+--prepare-only makes (or finds) the copies and the held-out texts in --workdir and trains nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import math
 import shutil
@@ -47,6 +54,8 @@ from tests.e2e_helpers import sh  # noqa: E402
 
 from ultrathink.config import Budget, ModelConfig  # noqa: E402
 from ultrathink.data.tokens import read_meta  # noqa: E402
+from ultrathink.hashing import files_hash, json_hash  # noqa: E402
+from ultrathink.lineage import module_closure  # noqa: E402
 from ultrathink.device import resolve_device, synchronize  # noqa: E402
 from ultrathink.registry.models import evaluate_text_file  # noqa: E402
 from ultrathink.train import sizing  # noqa: E402
@@ -54,7 +63,10 @@ from ultrathink.train.engine import autocast  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
-DATA_SIDE = ("data.", "tokenizer.", "prepare.")  # params a variant changes before training: its own prepared copy
+# Params the data-side stages read (dvc.yaml): a variant that sets one trains on its own prepared copy.
+DATA_SIDE = ("data.", "validate.", "constitution.", "tokenizer.", "prepare.")
+DATA_STAGES = ("validate", "tokenizer", "prepare")
+TRAINING_CODE = ("ultrathink", "tasks")  # what a reused copy takes afresh from this checkout (--workdir)
 README_ITERATIONS, WARMUP = 2000, 100
 # The baseline's step is timed after WARM_UP iterations (the first ones build kernels and grow buffers: several
 # times slower) over WINDOWS windows of TIMED more, the fastest kept: one window on a shared core once timed the step
@@ -203,17 +215,18 @@ def run_corpus(corpus: str, args, tmp: Path) -> list[dict]:
     cut = int(len(text) * 0.9)
     name = Path(corpus).stem
     timed = next((b for b in args.budgets if not b.endswith("steps")), None)
-    projects: dict[tuple, Path] = {}  # one prepared copy per set of data-side params (tokenizer.*, prepare.*, data.*)
 
     def project_for(sets: list[str]) -> Path:
-        data_side = tuple(o for o in sets if o.startswith(DATA_SIDE))
-        if data_side not in projects:
-            projects[data_side] = prepared_project(tmp / name / str(len(projects)), text[:cut], timed,
-                                                   args.overrides + list(data_side))
-        return projects[data_side]
+        data_side = [o for o in args.overrides + sets if o.startswith(DATA_SIDE)]
+        return kept_project(tmp / name, text[:cut], timed, data_side)
 
     held_out = tmp / f"{name}-held_out.txt"
+    held_out.parent.mkdir(parents=True, exist_ok=True)
     held_out.write_text(text[cut:], encoding="utf-8")
+    if args.prepare_only:
+        for _, sets in variants(args):
+            print(f"{name}: prepared {project_for(sets)}", flush=True)
+        return []
     baseline = CharBaseline(text[:cut], text[cut:], precision_of(args.overrides))
     scores: dict[float, dict] = {}  # the baseline's, by seconds: with --match, one run serves every budget
 
@@ -235,6 +248,36 @@ def run_corpus(corpus: str, args, tmp: Path) -> list[dict]:
                 print("row:", json.dumps(rows[-1]), file=sys.stderr, flush=True)  # for scripts: grep '^row:'
 
     return rows
+
+
+def kept_project(directory: Path, train_text: str, budget: str | None, overrides: list[str]) -> Path:
+    """A prepared copy of this project for `train_text` under `directory`: the one made from the same corpus,
+    data-side params and data-side code if it is there (its training code refreshed from this checkout), else a
+    new one. Its record is written last, so a copy whose preparation failed half-way is never reused."""
+    record = {"corpus_sha256": hashlib.sha256(train_text.encode("utf-8")).hexdigest(), "overrides": overrides,
+              "code": data_side_code()}
+    home = directory / json_hash(record)
+    marker = home / "prepared.json"
+    if marker.is_file() and json.loads(marker.read_text()) == record:
+        refresh_training_code(home / "project")
+        return home / "project"
+    shutil.rmtree(home, ignore_errors=True)  # an unfinished copy of this very record, never another's
+    project = prepared_project(home, train_text, budget, overrides)
+    marker.write_text(json.dumps(record))
+    return project
+
+
+def data_side_code() -> str:
+    """The hash of what the data-side stages run: their module closures and the files their params come from."""
+    files = {path for stage in DATA_STAGES for path in module_closure(f"tasks.{stage}", ROOT)}
+    return files_hash(ROOT, sorted(files) + [Path("params.yaml"), Path("constitution.yaml")])
+
+
+def refresh_training_code(project: Path) -> None:
+    """This checkout's Python packages over a reused copy's (stale modules removed), so training runs today's code."""
+    for package in TRAINING_CODE:
+        shutil.rmtree(project / package)
+        shutil.copytree(ROOT / package, project / package, ignore=shutil.ignore_patterns("__pycache__"))
 
 
 def row_line(row: dict) -> str:
@@ -271,13 +314,18 @@ def main() -> None:
     parser.add_argument("--match", help="the baseline's seconds for every budget (time to its quality)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--grid", action="store_true", help="optimizer × schedule at each budget")
+    parser.add_argument("--workdir", type=Path, help="keep prepared copies here and reuse those that still match")
+    parser.add_argument("--prepare-only", action="store_true", help="prepare the copies in --workdir, train nothing")
 
     args = parser.parse_args()
+    if args.prepare_only and not args.workdir:
+        parser.error("--prepare-only keeps its copies in --workdir: name one")
     args.corpora, args.budgets = args.corpora or [str(SHAKESPEARE)], args.budgets or ["2min"]
     print(f"params: {' '.join(args.overrides) or '(the shipped defaults)'}; torch threads {torch.get_num_threads()}",
           flush=True)
-    with tempfile.TemporaryDirectory(prefix="ultrathink-quality-") as tmp:
-        rows = [row for corpus in args.corpora for row in run_corpus(corpus, args, Path(tmp))]
+    with contextlib.ExitStack() as stack:
+        workdir = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ultrathink-quality-")))
+        rows = [row for corpus in args.corpora for row in run_corpus(corpus, args, workdir.resolve())]
     summary(rows)
 
 
