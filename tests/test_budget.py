@@ -355,10 +355,13 @@ def test_auto_vocabulary_follows_the_corpus_size(tmp_path):
 
 def test_a_time_plan_decides_between_the_shapes_it_probed_by_their_measured_speed():
     """The step-cost model picks which shapes a time budget probes; between two probed shapes the law decides at
-    their measured speeds. Probes at one FLOP rate for every shape agree with the model, and its second pick is
-    kept; a second shape measured 3× slower than that (a small batch's fixed work per step, which the model has no
-    term for) loses to the first, whose probe then sets the steps. Nothing is probed again for it."""
-    def planned(slow: tuple[int, int] | None = None):
+    the tokens each one's measured speed buys in the seconds the budget leaves for training at that shape (less
+    the probes, the first steps' extra, and its own validation passes and checkpoints). Probes at one FLOP rate for
+    every shape agree with the model, and its second pick is kept; a second shape measured 3× slower than that (a
+    small batch's fixed work per step, which the model has no term for), or one whose checkpoint costs a third of
+    the budget (a large model's save on a GPU), loses to the first, whose probe then sets the steps. Nothing is
+    probed again for it, and the tokens the plan was sized for are those its steps train."""
+    def planned(slow: tuple[int, int] | None = None, dear_save: tuple[int, int] | None = None):
         train_cfg = TrainConfig(budget="60s", batch_size=None, precision="fp32", attention="torch", eval_batches=2)
         probed = []
 
@@ -366,7 +369,8 @@ def test_a_time_plan_decides_between_the_shapes_it_probed_by_their_measured_spee
             flops = sizing.counts(sizing.Shape.of(model), model, 64)[2] * train.batch_size * model.seq_len
             probed.append((model.d_model, model.n_layers))
             step = flops / 2e10 * (3.0 if probed[-1] == slow else 1.0)
-            return Probe(step_seconds=step, first_steps_extra=0.1, eval_seconds=0.05, save_seconds=0.05, seconds=0.5)
+            save = 20.0 if probed[-1] == dear_save else 0.05
+            return Probe(step_seconds=step, first_steps_extra=0.1, eval_seconds=0.05, save_seconds=save, seconds=0.5)
         plan = plan_run(ModelConfig(size="auto", dropout=0.0), train_cfg, 64, _stream(200_000), _stream(2000), "cpu",
                         probe=probe).plan
         return plan, probed
@@ -374,15 +378,17 @@ def test_a_time_plan_decides_between_the_shapes_it_probed_by_their_measured_spee
     fair, probed = planned()
     first, second = probed
     assert first != second and (fair.sizing["shape"]["d_model"], fair.sizing["shape"]["n_layers"]) == second
-    slowed, probed_again = planned(slow=second)
-    assert probed_again == probed  # the same two probes, no third
-    shape = slowed.sizing["shape"]
-    assert (shape["d_model"], shape["n_layers"]) == first
-    first_step = sizing.counts(sizing.Shape(**shape), ModelConfig(**{**shape, "dropout": 0.0}), 64)[2] \
-        * slowed.sizing["batch_size"] * shape["seq_len"] / 2e10
-    assert slowed.probe.step_seconds == pytest.approx(first_step)  # the steps are the chosen shape's probe's
-    assert slowed.sizing["tokens"] == pytest.approx(60 * 2e10 / slowed.flops_per_token, rel=1e-6)
-    assert slowed.probe.seconds == pytest.approx(1.0)  # both probes paid from the budget
+    assert fair.sizing["tokens"] == fair.max_steps * fair.tokens_per_step
+    for slowed, probed_again in (planned(slow=second), planned(dear_save=second)):
+        assert probed_again == probed  # the same two probes, no third
+        shape = slowed.sizing["shape"]
+        assert (shape["d_model"], shape["n_layers"]) == first
+        first_step = sizing.counts(sizing.Shape(**shape), ModelConfig(**{**shape, "dropout": 0.0}), 64)[2] \
+            * slowed.sizing["batch_size"] * shape["seq_len"] / 2e10
+        assert slowed.probe.step_seconds == pytest.approx(first_step)  # the steps are the chosen shape's probe's
+        assert slowed.sizing["tokens"] == slowed.max_steps * slowed.tokens_per_step
+        assert slowed.sizing["tokens"] < 60 * 2e10 / slowed.flops_per_token  # not the whole budget's
+        assert slowed.probe.seconds == pytest.approx(1.0)  # both probes paid from the budget
 
 
 def _stream(n=20_000) -> np.ndarray:

@@ -16,7 +16,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -70,6 +70,14 @@ def steps_for(budget: Budget, tokens_per_step: int, flops_per_token: int, cfg, m
     per_step = (measured.step_seconds + measured.eval_seconds / cfg.eval_every
                 + measured.save_seconds / cfg.checkpoint_every)
     return max(1, int(left / per_step))
+
+
+def training_seconds(budget: Budget, cfg, probe: Probe, spent: float) -> float:
+    """The seconds of training steps a time budget leaves at a probed shape once `spent` seconds of probing, the first
+    steps' extra cost, and the validation passes and checkpoints at that shape's measured cost are paid: what model
+    size auto compares shapes at. On a GPU these overheads were most of a small budget (an H200, 12 s on tiny
+    Shakespeare: 5 s trained; 2 min: 66 s), and a larger shape pays more of them."""
+    return steps_for(budget, 1, 1, cfg, replace(probe, seconds=spent)) * probe.step_seconds
 
 
 def warmup_for(max_steps: int, cfg) -> int:

@@ -32,7 +32,7 @@ from ultrathink.errors import StageError
 from ultrathink.hashing import json_hash
 from ultrathink.io import atomic_write_json
 from ultrathink.model.kernels import AttentionKernel, choose_attention, fixed_kernel, label
-from ultrathink.train.budget import Probe, compile_pays, probe_shape, steps_for, warmup_for
+from ultrathink.train.budget import Probe, compile_pays, probe_shape, steps_for, training_seconds, warmup_for
 from ultrathink.train import sizing
 from ultrathink.train.engine import autocast_dtype
 from ultrathink.train.precision import matmul_gflops, peak_flops
@@ -404,26 +404,32 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
         if budget.kind == "seconds":
             # First guess from the device's matmul peak at a typical small-model utilisation, then once more from
             # the step time measured on that guess: the peak's share of it and the rest, which grows with layers ×
-            # width (sizing.StepCost), so shapes that use the device better are seen to. Shapes are sized at the
-            # speed without dropout (the loss law's evidence ran at it); then, where dropout could pay were it free
-            # (model.dropout null), its step at the chosen shape is probed and the law decides at that speed.
-            # The shapes probed are then compared at their measured speeds (sizing.best_measured).
+            # width (sizing.StepCost), so shapes that use the device better are seen to. Each guess is sized for
+            # the seconds the probes so far leave. Shapes are sized at the speed without dropout (the loss law's
+            # evidence ran at it); then, where dropout could pay were it free (model.dropout null), its step at the
+            # chosen shape is probed and the law decides at that speed. The shapes probed are then compared at the
+            # tokens their measured speed buys in the seconds left for training (budget.training_seconds: less the
+            # probes, the first steps' extra, and each shape's own validation and checkpoint costs), as
+            # sizing.best_measured says.
             peak_rate = (peak or 1e11) * world_size
             cost = sizing.StepCost(round_figures(peak_rate * GUESS_UTILISATION))
             undropped = {"dropout": model_cfg.dropout or 0.0}
-            timed = []  # each probed shape at the tokens its probe's speed buys
+            probed = []  # each probed shape: (its sizing, its probe, its tokens per step, its train config)
             for _ in range(2):
-                sized = sizing.choose(model_cfg, vocab_size, corpus, seconds=budget.amount, cost=cost,
+                seconds = max(1.0, budget.amount - sum(p[2].seconds for _, p in probes))
+                sized = sizing.choose(model_cfg, vocab_size, corpus, seconds=seconds, cost=cost,
                                       batch_size=train_cfg.batch_size, weight_decay=weight_decay)
                 shaped_model, shaped_train = _sized(model_cfg, train_cfg, sized)
                 if not probe_unless_last(shaped_model.model_copy(update=undropped), shaped_train):
                     break
                 tokens_per_step = shaped_train.batch_size * shaped_train.grad_accum * shaped_model.seq_len
-                seconds_per_token = probes[-1][1][2].step_seconds / tokens_per_step
-                timed.append(sizing.at_measured_speed(sized, corpus, budget.amount, seconds_per_token,
-                                                      model_cfg.dropout, weight_decay))
+                probed.append((sized, probes[-1][1][2], tokens_per_step, shaped_train))
                 cost = sizing.StepCost.fitted(round_figures(peak_rate), sized.shape, sized.flops_per_token,
-                                              seconds_per_token)
+                                              probes[-1][1][2].step_seconds / tokens_per_step)
+            spent = sum(p[2].seconds for _, p in probes)
+            timed = [sizing.at_measured_speed(shaped, corpus, training_seconds(budget, cfg, probe, spent),
+                                              probe.step_seconds / tokens_per_step, model_cfg.dropout, weight_decay)
+                     for shaped, probe, tokens_per_step, cfg in probed]
             sized = sizing.best_measured(timed)
             shaped_model, shaped_train = _sized(model_cfg, train_cfg, sized)
             probe_last(shaped_model.model_copy(update=undropped), shaped_train)
