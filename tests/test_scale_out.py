@@ -23,14 +23,14 @@ import os
 if os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_ERROR_FILE"):
     from ultrathink.train import trainer
 
-    taken = trainer.Trainer._forward_backward
+    taken = trainer.Trainer.train_step
 
-    def forward_backward(self):
+    def train_step(self):
         if self.step == 2:
             raise OSError("rank 1 lost its scratch disk")
         return taken(self)
 
-    trainer.Trainer._forward_backward = forward_backward
+    trainer.Trainer.train_step = train_step
 '''
 
 

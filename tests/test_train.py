@@ -240,45 +240,6 @@ def test_non_finite_steps_are_skipped_and_counted(tmp_path):
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
-def count_forwards(trainer: Trainer) -> dict:
-    calls = {"n": 0}
-    trainer.model.embed.register_forward_hook(lambda module, args, output: calls.__setitem__("n", calls["n"] + 1))
-    return calls
-
-
-def test_steps_queue_the_next_forward_before_reading_a_step_but_not_where_the_run_validates_saves_or_ends(tmp_path):
-    trainer = make_trainer(tmp_path, 12, eval_every=6, checkpoint_every=4)
-    assert trainer.looks_ahead  # the fused AdamW in fp32, one process, a dense model
-    forwards = count_forwards(trainer)
-    read = [(trainer.step, forwards["n"]) for outcome in trainer.steps()]
-    closing = {4, 6, 8, 12}  # checkpoints at 4, 8; validation at 6, 12; the end at 12
-    assert read == [(k, k if k in closing else k + 1) for k in range(1, 13)]
-    assert all(p.grad is None for p in trainer.model.parameters())  # nothing left half-taken at the end
-
-
-def test_looking_ahead_takes_the_same_steps_and_skips_as_taking_each_at_once(tmp_path):
-    ahead, each = (make_trainer(tmp_path / name, 12, eval_every=100, checkpoint_every=100) for name in "ab")
-    for trainer in (ahead, each):
-        poison(trainer, {3, 8, 9})
-    ahead.fit()
-    while each.step < 12:
-        each.train_step()
-    assert ahead.counters.skipped == each.counters.skipped == 3
-    assert all(torch.equal(a, b) for a, b in zip(ahead.model.state_dict().values(), each.model.state_dict().values()))
-    assert all(torch.isfinite(p).all() for p in ahead.model.parameters())
-    # Engines that decide a skip on the host read every step before the next: Muon and Lion have no found-inf flag.
-    assert not make_trainer(tmp_path / "muon", 2, optimizer="muon").looks_ahead
-
-
-def test_a_caller_that_stops_between_a_backward_and_its_update_leaves_no_gradients_behind(tmp_path):
-    trainer = make_trainer(tmp_path, 12, eval_every=100, checkpoint_every=100)
-    steps = trainer.steps()
-    next(steps), next(steps)  # step 3's backward is done, its update not queued
-    assert any(p.grad is not None for p in trainer.model.parameters())
-    steps.close()  # else the next backward would add its gradients to these
-    assert all(p.grad is None for p in trainer.model.parameters()) and trainer.step == 2
-
-
 def test_too_many_bad_steps_stop_without_a_nan_checkpoint(tmp_path):
     trainer = make_trainer(tmp_path, 20, max_bad_steps=3)
     poison(trainer, set(range(7, 100)))

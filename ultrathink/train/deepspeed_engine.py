@@ -124,7 +124,6 @@ class DeepSpeedEngine:
         self.module.save_checkpoint(str(directory / SHARDS_DIR), tag=TAG, save_latest=False)
 
     writes_weights = False  # the main rank holds (ZeRO-1/2) or gathers (ZeRO-3) the full weights
-    skips_on_device = False  # DeepSpeed steps inside backward and decides skips itself (step reports them)
 
     def load(self, checkpoint, state: dict) -> None:
         written_by = checkpoint.manifest.get("world_size", self.dist.world_size)

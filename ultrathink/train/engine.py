@@ -3,8 +3,6 @@ optimizer state that checkpoints carry. The trainer drives an engine; `build_eng
 
 - TorchEngine: a single process, DDP or FSDP2 (the wrapping is `Distributed.wrap`). autocast for bf16/fp16, a
   gradient scaler for fp16, clipping on the true (unscaled, all-reduced) norm, our optimizers stepped directly.
-  With the fused AdamW in bf16 or fp32 it can also skip a non-finite update on the device (`queue_step`), so the
-  host reads a step's figures later, without waiting for them (trainer.py).
 - DeepSpeedEngine (deepspeed_engine.py): ZeRO stages 1-3; DeepSpeed owns backward, accumulation, clipping,
   precision and the sharded optimizer state, and saves that state with its own checkpoint code.
 """
@@ -43,12 +41,10 @@ class Engine(Protocol):
     flops_per_token: int  # the whole model's training FLOPs per token, counted before any sharding
     optimizers: list[torch.optim.Optimizer]  # the learning-rate schedule sets their param groups' lr
     writes_weights: bool  # save_shards writes the checkpoint's model.safetensors (no full gather for it)
-    skips_on_device: bool  # queue_step exists: the update's skip is decided where the gradients are
 
     def autocast(self): ...
     def backward(self, loss: torch.Tensor) -> None: ...
     def step(self, loss: float) -> tuple[float, bool]: ...
-    def queue_step(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
     def state_dict(self) -> dict: ...
     def load(self, checkpoint, state: dict) -> None: ...
     def model_state(self) -> dict[str, torch.Tensor]: ...
@@ -67,9 +63,6 @@ class TorchEngine:
         self.accum = BatchLayout.split(cfg.batch_size, cfg.grad_accum, dist.world_size).accum
         # fp16 needs loss scaling so small gradients do not underflow; bf16 and fp32 do not (scaler disabled).
         self.scaler = torch.amp.GradScaler(dist.kind, enabled=resolve_precision(cfg.precision, dist.kind) == "fp16")
-        # The fused AdamW reads a found-inf flag on the device (as a GradScaler hands it one) and then leaves the
-        # weights, moments and step count as they were. Muon and Lion have no such flag; fp16 has its scaler's.
-        self.skips_on_device = cfg.optimizer == "adamw" and not self.scaler.is_enabled()
 
     def autocast(self):
         return autocast(self.cfg.precision, self.dist.device)
@@ -93,31 +86,9 @@ class TorchEngine:
             # Also after a skipped step: update() closes the unscale_ above (else the next step's unscale_ raises)
             # and, the gradients being non-finite, lowers the scale.
             self.scaler.update()
-        self.zero_grad()
-        return grad_norm, applied
-
-    def queue_step(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`step` with nothing read back (skips_on_device engines): clip, then apply the update unless the loss or
-        the gradient norm is not finite, decided on the device. Returns (norm before clipping, whether the update
-        was applied) as device tensors; the caller reads them when it needs them. A non-finite norm makes the
-        clipped gradients NaN too, and the optimizer skips them whole."""
-        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: the whole model's norm
-        applied = torch.isfinite(loss) & torch.isfinite(norm)
-        skip = (~applied).to(torch.float32)
-        for opt in self.optimizers:
-            opt.found_inf = skip  # read by the fused kernel: 1 leaves this step out entirely
-            try:
-                opt.step()
-            finally:
-                del opt.found_inf
-        self.zero_grad()
-        return norm, applied
-
-    def zero_grad(self) -> None:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
+        return grad_norm, applied
 
     def state_dict(self) -> dict:
         """What state.pt carries; the optimizers' tensors go to the shards (save_shards)."""

@@ -8,7 +8,7 @@ import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Iterator, NamedTuple, Protocol
+from typing import Callable, Iterable, Protocol
 
 import numpy as np
 import torch
@@ -128,21 +128,6 @@ def ready_model(model: torch.nn.Module, cfg: TrainConfig, attention: AttentionKe
 REPLAN_FIRST = 10  # steps before the first revision: the first steps pay kernel set-up
 
 
-class Backward(NamedTuple):
-    """A step's forward and backward, queued: its loss (mean over this rank's share of the global batch's targets,
-    float64 on the device) and its routing statistics."""
-    loss: torch.Tensor
-    stats: dict
-
-
-class Update(NamedTuple):
-    """A step's update, queued (device tensors, not read yet) or decided (numbers), with its statistics."""
-    loss: torch.Tensor | float
-    grad_norm: torch.Tensor | float
-    applied: torch.Tensor | bool
-    stats: dict
-
-
 class Trainer:
     def __init__(self, engine: Engine, train_loader: TokenWindows, val_data: np.ndarray | EvalData,
                  cfg: TrainConfig, checkpoints: CheckpointManager,
@@ -245,52 +230,12 @@ class Trainer:
 
     # ---- the loop -------------------------------------------------------------------------------------------
     def train_step(self) -> tuple[float, float, dict[str, float]] | None:
-        """One optimizer step over this rank's micro-batches of the global batch, taken and read at once: (mean
-        loss, gradient norm before clipping, routing figures), or None when the loss or gradient is not finite —
-        then the update is skipped and counted. `steps()` takes the same steps without waiting for each."""
-        return self._read(self._update(self._forward_backward()))
+        """One optimizer step over this rank's micro-batches of the global batch: (mean loss, gradient norm before clipping, routing
+        figures), or None when the loss or gradient is not finite — then the update is skipped and counted.
 
-    def steps(self) -> Iterator[tuple[float, float, dict[str, float]] | None]:
-        """Take steps up to cfg.max_steps (read anew at each step: a re-plan may change it), yielding each one's
-        outcome as train_step returns it.
-
-        Where the engine skips a non-finite update on the device (`looks_ahead`), the next step's forward and
-        backward are queued before a step's figures are read, so the host never waits for the device in between
-        (on a GPU the wait left it idle for 8-33% of a step). The order of the work is the same as step by step:
-        the caller handles step k's outcome (logging, a re-plan) before step k+1's update is queued with the
-        learning rate that outcome sets. A step after which the run validates, checkpoints or ends is read before
-        anything else is queued, so those see the model, the loader and the random generators as that step left
-        them."""
-        queued = ahead = None  # a step whose update is queued, unread; a step's backward whose update is not
-        try:
-            while True:
-                taken = self.step + (queued is not None)  # counting the queued step as applied
-                wait = queued is not None and not (self.looks_ahead and not self._closes_a_stretch(self.step + 1))
-                ahead = self._forward_backward() if taken < self.cfg.max_steps and not wait else None
-                if queued is not None:
-                    outcome, queued = self._read(queued), None
-                    yield outcome  # the caller's turn: the next step's update is not queued yet
-                if ahead is not None:
-                    queued, ahead = self._update(ahead), None
-                elif self.step >= self.cfg.max_steps:
-                    return
-        finally:
-            if ahead is not None:  # the caller stopped between a backward and its update: drop its gradients
-                self.engine.zero_grad()
-
-    @property
-    def looks_ahead(self) -> bool:
-        """Whether steps() queues a step before reading the last: the engine skips on the device, one process (the
-        ranks' loss sum would wait), and no routing state (its update must come before the next forward)."""
-        return self.engine.skips_on_device and self.dist.world_size == 1 and not self.model.variants
-
-    def _closes_a_stretch(self, step: int) -> bool:
-        """Whether the run validates, checkpoints or ends after `step`."""
-        cfg = self.cfg
-        return step >= cfg.max_steps or step % cfg.eval_every == 0 or step % cfg.checkpoint_every == 0
-
-    def _forward_backward(self) -> Backward:
-        """Forward and backward over this rank's micro-batches of the global batch; the gradients accumulate."""
+        Routing variants (MoE, DRE) report statistics with each forward; they are summed over micro-batches and
+        ranks here, in one collective, identically for every backend. Only an applied step moves the routing
+        state, on every rank from the same numbers; a skipped step's statistics are dropped with it."""
         self.engine.module.train()
         batches = [next(self.loader) for _ in range(self.layout.accum)]
         # The step's loss is the mean over the global batch's targets, however the ranks and micro-batches split
@@ -298,44 +243,25 @@ class Trainer:
         # in pretraining every share is equal and every weight exactly 1).
         targets = [self.objective.weight(batch) for batch in batches]
         in_step = max(self.dist.sum(float(sum(targets))), 1.0)
-        total, stats = None, {}
+        total, stats = 0.0, {}
         for batch, count in zip(batches, targets):
             with self.engine.autocast():
                 loss, routed = self.objective.loss(self.engine.module, batch, self.dist.device)
             weight = count * self.layout.accum * self.dist.world_size / in_step  # the engine and ranks average
             self.engine.backward(loss if weight == 1.0 else loss * weight)
-            share = loss.detach().to(torch.float64) * (count / in_step)
-            total = share if total is None else total + share
+            total += loss.item() * count / in_step
             stats = routing.add(stats, routed)
-        return Backward(total, stats)
-
-    def _update(self, done: Backward) -> Update:
-        """Queue the step's update (skipped on the device where the engine can), or decide it here, reading the
-        loss: every rank sees the same loss sum, so all take the same skip decision. Routing statistics are
-        summed over ranks in one collective, identically for every backend."""
-        stats = self.dist.sum_stats(done.stats)
-        if self.engine.skips_on_device and self.dist.world_size == 1:
-            grad_norm, applied = self.engine.queue_step(done.loss)
-            return Update(done.loss, grad_norm, applied, stats)
-        loss = self.dist.sum(done.loss.item())
-        grad_norm, applied = self.engine.step(loss)
-        return Update(loss, grad_norm, applied, stats)
-
-    def _read(self, update: Update) -> tuple[float, float, dict[str, float]] | None:
-        """The step's figures, read (a queued one's in one transfer), and the host's side of it: the step count, the
-        schedule, the routing state, the guard against non-finite steps. Only an applied step moves the routing
-        state, on every rank from the same numbers; a skipped step's statistics are dropped with it."""
-        loss, grad_norm, applied = update.loss, update.grad_norm, update.applied
-        if isinstance(applied, torch.Tensor):
-            loss, grad_norm, applied = torch.stack([loss, grad_norm.to(loss.dtype), applied.to(loss.dtype)]).tolist()
+        total = self.dist.sum(total)  # every rank sees the same loss, so all take the same skip decision
+        stats = self.dist.sum_stats(stats)
+        grad_norm, applied = self.engine.step(total)
         if not applied:
-            self._count_bad_step(loss, grad_norm)
+            self._count_bad_step(total, grad_norm)
             return None
         self.counters.bad_in_a_row = 0
         self.scheduler.step()
-        self.model.update_routing(update.stats)
+        self.model.update_routing(stats)
         self.step += 1
-        return loss, grad_norm, self.model.routing_metrics(update.stats)
+        return total, grad_norm, self.model.routing_metrics(stats)
 
     def _count_bad_step(self, loss: float, grad_norm: float) -> None:
         self.counters.skipped += 1
@@ -387,7 +313,8 @@ class Trainer:
                      "the datasheet peak" if is_cuda(self.dist.device) else "the measured matmul peak", peak / 1e9,
                      self.cfg.precision)
         pace = Pace(started)
-        for outcome in ([] if stop else self.steps()):
+        while self.step < self.cfg.max_steps and not stop:
+            outcome = self.train_step()
             if outcome is None:
                 continue
             cfg = self.cfg
@@ -419,9 +346,7 @@ class Trainer:
             if self.step % cfg.checkpoint_every == 0 or last or stop:
                 with pace.aside("save"):
                     self.save_checkpoint()
-            if stop:
-                break
-            if self.deadline is not None and not last and self._replan(pace, first_step):
+            if self.deadline is not None and not last and not stop and self._replan(pace, first_step):
                 bar.total = self.cfg.max_steps
         bar.close()
         if stop:
