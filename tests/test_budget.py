@@ -53,12 +53,14 @@ def test_tokens_and_flops_budgets_divide_exactly():
     assert steps_for(Budget.parse("6.4e5flops"), 128, 50, cfg, None) == 100  # 6.4e5 / (50 × 128)
 
 
-def test_a_time_budget_pays_for_probe_first_steps_validation_and_checkpoints():
+def test_a_time_budget_pays_for_probe_first_steps_validation_with_its_best_checkpoint_and_checkpoints():
     cfg = TrainConfig(eval_every=10, checkpoint_every=20)
     probe = Probe(step_seconds=0.1, first_steps_extra=1.0, eval_seconds=0.5, save_seconds=0.4, seconds=2.0)
-    # 60 s − 2 (probe) − 1 (first steps) − 0.5 − 0.4 (final validation and checkpoint) = 56.1 s left,
-    # each step 0.1 + 0.5/10 + 0.4/20 = 0.17 s → 330 steps.
-    assert steps_for(Budget.parse("1min"), 128, 50, cfg, probe) == 330
+    # An improving validation writes the best checkpoint too: 0.5 + 0.4 = 0.9 s each.
+    # 60 s − 2 (probe) − 1 (first steps) − 0.9 − 0.4 (final validation and checkpoint) = 55.7 s left,
+    # each step 0.1 + 0.9/10 + 0.4/20 = 0.21 s → 265 steps.
+    assert probe.validation_seconds == pytest.approx(0.9)
+    assert steps_for(Budget.parse("1min"), 128, 50, cfg, probe) == 265
 
 
 def test_compile_auto_compiles_once_the_measured_eager_run_outlasts_what_a_compile_costs_on_the_device():

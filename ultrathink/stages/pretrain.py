@@ -114,7 +114,7 @@ def deadline(params: Params, decided: Decided) -> Deadline | None:
         book.record(plan.machine, decided.key, plan)
 
     probe = plan.probe
-    return Deadline(Budget.parse(plan.budget).amount - probe.seconds, probe.save_seconds, probe.eval_seconds,
+    return Deadline(Budget.parse(plan.budget).amount - probe.seconds, probe.save_seconds, probe.validation_seconds,
                     probe.save_seconds, record)  # the other ranks' deadline only makes them follow the main rank
 
 

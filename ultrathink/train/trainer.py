@@ -97,7 +97,7 @@ class Deadline:
     max_steps)` records each revision."""
     seconds: float  # what fit() may spend: the budget less the probe that planned it
     final_seconds: float  # what follows the last step: selecting the best weights, saving the model
-    eval_seconds: float  # one validation pass, one checkpoint: as probed, then as observed
+    eval_seconds: float  # one validation pass (with its best checkpoint), one checkpoint: as probed, then as observed
     save_seconds: float
     on_replan: Callable[[int, int], None] = lambda step, max_steps: None
 
