@@ -393,6 +393,38 @@ def test_a_time_plan_decides_between_the_shapes_it_probed_by_their_measured_spee
         assert slowed.probe.seconds == pytest.approx(1.0)  # both probes paid from the budget
 
 
+def test_a_time_plan_leaves_out_shapes_that_ran_out_of_memory_in_their_probe(caplog):
+    """A time budget's first guess comes from the device's peak, so a short budget on a small GPU can guess a model
+    that does not fit (a 2-minute guess on an H200 was 434M parameters). The sizing chose it, not the user: the
+    plan leaves it and every larger shape out and chooses again. When no shape is left, the error says why."""
+    def planned(fits_below: int):
+        train_cfg = TrainConfig(budget="60s", batch_size=None, precision="fp32", attention="torch", eval_batches=2)
+        probed = []
+
+        def probe(model, train, kernel):
+            params = sizing.counts(sizing.Shape.of(model), model, 64)[0]
+            probed.append(params)
+            if params >= fits_below:
+                raise torch.OutOfMemoryError("CUDA out of memory (as the device would say it)")
+            flops = sizing.counts(sizing.Shape.of(model), model, 64)[2] * train.batch_size * model.seq_len
+            return Probe(step_seconds=flops / 2e10, first_steps_extra=0.1, eval_seconds=0.05, save_seconds=0.05,
+                         seconds=0.5)
+        plan = plan_run(ModelConfig(size="auto", dropout=0.0), train_cfg, 64, _stream(200_000), _stream(2000), "cpu",
+                        probe=probe).plan
+        return plan, probed
+
+    _, probed = planned(fits_below=10**12)
+    first_guess = probed[0]
+    with caplog.at_level("WARNING", logger="ultrathink.train.plan"):
+        cramped, tried = planned(fits_below=first_guess)
+    assert tried[0] == first_guess and all(params < first_guess for params in tried[1:]) and len(tried) >= 2
+    assert cramped.sizing["params"] < first_guess
+    assert "ran out of cpu memory in its probe; choosing among smaller shapes" in caplog.text
+    assert cramped.sizing["tokens"] == cramped.max_steps * cramped.tokens_per_step
+    with pytest.raises(ValueError, match="no valid shape below 1 parameters"):
+        sizing.choose(ModelConfig(size="auto"), 64, 200_000, seconds=60.0, cost=sizing.StepCost(2e10), below_params=1)
+
+
 def _stream(n=20_000) -> np.ndarray:
     return np.resize(np.random.default_rng(0).integers(0, 60, 41), n).astype(np.uint16)
 

@@ -64,6 +64,12 @@ def synchronize(device: DeviceLike) -> None:
         torch.cuda.synchronize(device)
 
 
+def release_device_memory(device: DeviceLike) -> None:
+    """Hand the caching allocator's free blocks back to the GPU (after an out-of-memory error); nothing on a CPU."""
+    if is_cuda(device):
+        torch.cuda.empty_cache()
+
+
 def model_device(model: torch.nn.Module) -> torch.device:
     """The device a model's parameters are on: where its inputs must be put."""
     return next(model.parameters()).device

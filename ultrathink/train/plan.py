@@ -20,6 +20,7 @@ import functools
 from collections.abc import Callable
 import json
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -27,7 +28,7 @@ import torch
 from filelock import FileLock
 
 from ultrathink.config import Budget, ModelConfig, TrainConfig
-from ultrathink.device import is_cuda
+from ultrathink.device import is_cuda, release_device_memory
 from ultrathink.errors import StageError
 from ultrathink.hashing import json_hash
 from ultrathink.io import atomic_write_json
@@ -382,6 +383,7 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
         return kernel, timings, probe(model_cfg, train_cfg, kernel)
 
     sized, probes = None, []
+    lost, ceiling = 0.0, None  # seconds of probes that ran out of memory; the smallest shape that did (params)
 
     def probe_unless_last(model_cfg, train_cfg) -> bool:
         """Probe this configuration unless the last probe was of it; whether it probed."""
@@ -415,18 +417,33 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
             cost = sizing.StepCost(round_figures(peak_rate * GUESS_UTILISATION))
             undropped = {"dropout": model_cfg.dropout or 0.0}
             probed = []  # each probed shape: (its sizing, its probe, its tokens per step, its train config)
-            for _ in range(2):
-                seconds = max(1.0, budget.amount - sum(p[2].seconds for _, p in probes))
+            while len(probed) < 2:
+                seconds = max(1.0, budget.amount - lost - sum(p[2].seconds for _, p in probes))
                 sized = sizing.choose(model_cfg, vocab_size, corpus, seconds=seconds, cost=cost,
-                                      batch_size=train_cfg.batch_size, weight_decay=weight_decay)
+                                      batch_size=train_cfg.batch_size, weight_decay=weight_decay,
+                                      below_params=ceiling)
                 shaped_model, shaped_train = _sized(model_cfg, train_cfg, sized)
-                if not probe_unless_last(shaped_model.model_copy(update=undropped), shaped_train):
-                    break
+                started = time.perf_counter()
+                try:
+                    if not probe_unless_last(shaped_model.model_copy(update=undropped), shaped_train):
+                        break
+                except torch.OutOfMemoryError:
+                    # A shape the sizing chose, not the user: one that does not fit this device is left out with
+                    # every larger one, and the choice made again (a time budget's first guess on a small GPU).
+                    # Ranks probe together: one that ran out has left the others in a collective, so it is raised.
+                    if world_size > 1:
+                        raise
+                    lost += time.perf_counter() - started
+                    ceiling = sized.params
+                    release_device_memory(device)
+                    log.warning("model.size auto: %s (%.1fM params) ran out of %s memory in its probe; choosing "
+                                "among smaller shapes", sized.shape, sized.params / 1e6, device)
+                    continue
                 tokens_per_step = shaped_train.batch_size * shaped_train.grad_accum * shaped_model.seq_len
                 probed.append((sized, probes[-1][1][2], tokens_per_step, shaped_train))
                 cost = sizing.StepCost.fitted(round_figures(peak_rate), sized.shape, sized.flops_per_token,
                                               probes[-1][1][2].step_seconds / tokens_per_step)
-            spent = sum(p[2].seconds for _, p in probes)
+            spent = lost + sum(p[2].seconds for _, p in probes)
             timed = [sizing.at_measured_speed(shaped, corpus, training_seconds(budget, cfg, probe, spent),
                                               probe.step_seconds / tokens_per_step, model_cfg.dropout, weight_decay)
                      for shaped, probe, tokens_per_step, cfg in probed]
@@ -452,7 +469,7 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
         probe_last(model_cfg, train_cfg)
         last = probes[-1][1][2]
         measured = Probe(last.step_seconds, last.first_steps_extra, last.eval_seconds, last.save_seconds,
-                         sum(p[2].seconds for _, p in probes), last.ranks)
+                         lost + sum(p[2].seconds for _, p in probes), last.ranks)
     if probes:
         kernel, timings = probes[-1][1][:2]
     else:

@@ -274,14 +274,18 @@ def batch_for(tokens: float, seq_len: int) -> int:
 
 def choose(model_cfg, vocab_size: int, corpus_tokens: int, *, flops: float | None = None,
            tokens: float | None = None, seconds: float | None = None, cost: StepCost | None = None,
-           batch_size: int | None = None, weight_decay: float | None = None) -> Sizing:
+           batch_size: int | None = None, weight_decay: float | None = None,
+           below_params: int | None = None) -> Sizing:
     """The shape for a budget of `flops` (compute), `tokens`, or `seconds` at `cost`, on a corpus of
     `corpus_tokens` training tokens. Shape keys of `model_cfg` that are set (not null) are kept; `weight_decay`
-    (train.weight_decay's) has a say in dropout (with_dropout)."""
+    (train.weight_decay's) has a say in dropout (with_dropout); `below_params` leaves out shapes of at least that
+    many parameters (one that ran out of the device's memory)."""
     fixed = {k: getattr(model_cfg, k) for k in SHAPE_KEYS if getattr(model_cfg, k) is not None}
     scored = []
     for shape in candidate_shapes(fixed):
         params, non_embedding, per_token = counts(shape, model_cfg, vocab_size)
+        if below_params is not None and params >= below_params:
+            continue
         if tokens is not None:  # a tokens budget: Chinchilla's ratio, the nearest candidate
             seen = tokens
             score = abs(math.log(non_embedding * TOKENS_PER_PARAM / tokens))
@@ -290,7 +294,8 @@ def choose(model_cfg, vocab_size: int, corpus_tokens: int, *, flops: float | Non
             score = predicted_loss(non_embedding, seen, corpus_tokens)
         scored.append((score, shape, params, non_embedding, per_token, seen))
     if not scored:
-        raise ValueError(f"model.size auto: no valid shape agrees with the fixed keys {fixed}")
+        smaller = "" if below_params is None else f" below {below_params:,} parameters (larger ones ran out of memory)"
+        raise ValueError(f"model.size auto: no valid shape{smaller} agrees with the fixed keys {fixed}")
     scored.sort(key=lambda row: row[0])
     chosen = _cheapest_of_the_best(scored, lambda row: row[0], lambda row: (row[4], row[2]))
     score, shape, params, non_embedding, per_token, seen = chosen
