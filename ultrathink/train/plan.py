@@ -385,6 +385,10 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
     sized, probes = None, []
     lost, ceiling = 0.0, None  # seconds of probes that ran out of memory; the smallest shape that did (params)
 
+    def spent() -> float:
+        """The seconds probing has taken from the budget so far, the probes that ran out of memory included."""
+        return lost + sum(p[2].seconds for _, p in probes)
+
     def probe_unless_last(model_cfg, train_cfg) -> bool:
         """Probe this configuration unless the last probe was of it; whether it probed."""
         if probes and probes[-1][0] == (model_cfg, train_cfg.batch_size):
@@ -418,9 +422,8 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
             undropped = {"dropout": model_cfg.dropout or 0.0}
             probed = []  # each probed shape: (its sizing, its probe, its tokens per step, its train config)
             while len(probed) < 2:
-                seconds = max(1.0, budget.amount - lost - sum(p[2].seconds for _, p in probes))
-                sized = sizing.choose(model_cfg, vocab_size, corpus, seconds=seconds, cost=cost,
-                                      batch_size=train_cfg.batch_size, weight_decay=weight_decay,
+                sized = sizing.choose(model_cfg, vocab_size, corpus, seconds=max(1.0, budget.amount - spent()),
+                                      cost=cost, batch_size=train_cfg.batch_size, weight_decay=weight_decay,
                                       below_params=ceiling)
                 shaped_model, shaped_train = _sized(model_cfg, train_cfg, sized)
                 started = time.perf_counter()
@@ -440,13 +443,13 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
                                 "among smaller shapes", sized.shape, sized.params / 1e6, device)
                     continue
                 tokens_per_step = shaped_train.batch_size * shaped_train.grad_accum * shaped_model.seq_len
-                probed.append((sized, probes[-1][1][2], tokens_per_step, shaped_train))
+                taken = probes[-1][1][2]
+                probed.append((sized, taken, tokens_per_step, shaped_train))
                 cost = sizing.StepCost.fitted(round_figures(peak_rate), sized.shape, sized.flops_per_token,
-                                              probes[-1][1][2].step_seconds / tokens_per_step)
-            spent = lost + sum(p[2].seconds for _, p in probes)
-            timed = [sizing.at_measured_speed(shaped, corpus, training_seconds(budget, cfg, probe, spent),
-                                              probe.step_seconds / tokens_per_step, model_cfg.dropout, weight_decay)
-                     for shaped, probe, tokens_per_step, cfg in probed]
+                                              taken.step_seconds / tokens_per_step)
+            timed = [sizing.at_measured_speed(shaped, corpus, training_seconds(budget, cfg, taken, spent()),
+                                              taken.step_seconds / tokens_per_step, model_cfg.dropout, weight_decay)
+                     for shaped, taken, tokens_per_step, cfg in probed]
             sized = sizing.best_measured(timed)
             shaped_model, shaped_train = _sized(model_cfg, train_cfg, sized)
             probe_last(shaped_model.model_copy(update=undropped), shaped_train)
@@ -469,7 +472,7 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
         probe_last(model_cfg, train_cfg)
         last = probes[-1][1][2]
         measured = Probe(last.step_seconds, last.first_steps_extra, last.eval_seconds, last.save_seconds,
-                         lost + sum(p[2].seconds for _, p in probes), last.ranks)
+                         spent(), last.ranks)
     if probes:
         kernel, timings = probes[-1][1][:2]
     else:
