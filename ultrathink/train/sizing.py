@@ -17,7 +17,9 @@ The rule, in three steps:
    approach 3; N = non-embedding parameters), with D the *effective* tokens when the corpus repeats — each further
    epoch is worth less, with Muennighoff et al. 2023's form of the decay and its constant fitted to this regime
    (REPEAT_DECAY, from the measured runs in sizing_evidence.py). So a small corpus and a large budget give a larger
-   model trained for fewer epochs, rather than 100 passes over the same text.
+   model trained for fewer epochs, rather than 100 passes over the same text — as far as the runs go: N counts at
+   most MEASURED_PARAMS_PER_TOKEN per unique training token (useful_params), the most at which a larger model was
+   measured to pay. A budget far beyond its corpus then trains that model for more steps.
 
 Dropout (model.dropout null) is DROPOUT or 0, whichever the same law predicts better for the chosen shape
 (dropout_pays). Dropout slows a step (on a CPU it also takes attention off its flash kernel), so it leaves fewer
@@ -55,6 +57,12 @@ CHINCHILLA = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
 # shape by its repeats' means): at 5–12 epochs 15.4 kept choosing the smaller model, which measured 0.06–0.12
 # bits/byte worse; 5 still chose the smaller one at 2 and 5 minutes on tiny Shakespeare (0.04 and 0.02 worse).
 REPEAT_DECAY = 4.0
+# Non-embedding parameters beyond this many per unique training token are credited with nothing (useful_params): the
+# most per token at which a shape measured best in its sweep (sizing_evidence.params_per_token_edge). Chinchilla's
+# A/N^α rewards size without end, and past the measured runs that is extrapolation: 2 minutes on an H200 chose 434M
+# parameters for tiny Shakespeare (886 per token), which scored no better than 14.8M trained for 12 seconds. The
+# bound changes no pick on the sweeps; it stops the law where its evidence stops.
+MEASURED_PARAMS_PER_TOKEN = 64.0
 TOKENS_PER_PARAM = 20  # Chinchilla's compute-optimal ratio, used when the budget is in tokens
 TARGET_STEPS = 1000
 # model.dropout null under size auto: the level tried (0.2 was never clearly better than 0.1 where dropout paid,
@@ -149,6 +157,7 @@ class Sizing:
                 f"seq_len {s.seq_len}, batch {self.batch_size}: {self.params / 1e6:.2f}M params, "
                 f"{self.tokens / 1e6:.2f}M tokens ({self.epochs:.1f} epochs of the corpus) — the lowest loss "
                 f"Chinchilla's fit predicts for this budget with repeated data discounted (R* {REPEAT_DECAY:g}) "
+                f"and at most {MEASURED_PARAMS_PER_TOKEN:g} parameters per token credited "
                 f"(next best: {self.runner_up.get('shape')})"
                 + ("" if self.dropout is None else f"; dropout {self.dropout:g}"))
 
@@ -161,9 +170,16 @@ def effective_tokens(tokens: float, unique: float, repeat_decay: float = REPEAT_
     return unique + unique * repeat_decay * (1 - math.exp(-repeats / repeat_decay))
 
 
-def predicted_loss(non_embedding_params: int, tokens: float, unique: float, repeat_decay: float = REPEAT_DECAY) -> float:
+def useful_params(non_embedding_params: int, unique: float,
+                  params_per_token: float = MEASURED_PARAMS_PER_TOKEN) -> float:
+    """The parameters the law credits: at most `params_per_token` per unique training token."""
+    return min(non_embedding_params, params_per_token * unique)
+
+
+def predicted_loss(non_embedding_params: int, tokens: float, unique: float, repeat_decay: float = REPEAT_DECAY,
+                   params_per_token: float = MEASURED_PARAMS_PER_TOKEN) -> float:
     c = CHINCHILLA
-    return (c["E"] + c["A"] / non_embedding_params ** c["alpha"]
+    return (c["E"] + c["A"] / useful_params(non_embedding_params, unique, params_per_token) ** c["alpha"]
             + c["B"] / effective_tokens(tokens, unique, repeat_decay) ** c["beta"])
 
 
