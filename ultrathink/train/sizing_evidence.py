@@ -194,7 +194,8 @@ SWEEPS: tuple[Sweep, ...] = (
         Run("d256x4", 2_951_936, 990_208, 2.2336), Run("d128x2", 394_112, 5_840_896, 2.3235),
         Run("d192x3", 1_328_832, 2_041_856, 2.1888), Run("d256x3", 2_214_016, 1_268_736, 2.2558))),
     # The same session, the whole of Pride at 5 minutes with the shipped defaults (weight decay 1.0, where the
-    # sweep above ran 0.1): the law's pick (17 parameters per token) and d256 × 4 (10 per token), 0.011 better.
+    # earlier 5-minute Pride sweep ran 0.1): the law's pick (17 parameters per token) and d256 × 4 (10 per token),
+    # 0.011 better.
     Sweep("Pride and Prejudice, ntoll's copy (0.62 MB, vocab 384)", "5min, weight decay 1.0", PRIDE_NTOLL, (
         Run("d320x4", 5_082_432, 1_865_728, 1.6118), Run("d256x4", 2_951_936, 2_607_104, 1.6010))),
     # ... and at 10 minutes: the law's pick (21 per token) 0.090 better than d256 × 4 (10 per token, 18 epochs).
