@@ -27,14 +27,17 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 
-def prepared_project(tmp: Path, corpus: str, budget: str, overrides: list[str]) -> Path:
-    """A copy of this project with `corpus` (text) as its data source, validated, tokenized and prepared."""
+def prepared_project(tmp: Path, corpus: str, budget: str | None, overrides: list[str]) -> Path:
+    """A copy of this project with `corpus` (text) as its data source, validated, tokenized and prepared. With a
+    budget the vocabulary and the model are sized for it; without one (equal-step runs) the model is manual and the
+    vocabulary the shipped params' unless `overrides` set tokenizer.vocab_size."""
     project = make_project(tmp)
     (project / "data" / "raw").mkdir(parents=True, exist_ok=True)
     (project / "data" / "raw" / "corpus.txt").write_text(corpus, encoding="utf-8")
     shutil.copy(ROOT / "params.yaml", project / "params.yaml")  # the shipped params, not the tests' tiny ones
-    set_params(project, {"data": {"source": "data/raw/corpus.txt"}, "tokenizer": {"vocab_size": "auto"},
-                         "model": {"size": "auto"}, "train": {"budget": budget}})
+    sized = ({"tokenizer": {"vocab_size": "auto"}, "model": {"size": "auto"}, "train": {"budget": budget}} if budget
+             else {"model": {"size": "manual"}})
+    set_params(project, {"data": {"source": "data/raw/corpus.txt"}, **sized})
     for stage in ("validate", "tokenizer", "prepare"):
         sh([sys.executable, "-m", f"tasks.{stage}", *sum((["--set", o] for o in overrides), [])], project)
     return project

@@ -307,7 +307,8 @@ def main() -> None:
     parser.add_argument("--corpus", dest="corpora", action="append", help="a text file, or 'embedded' (repeatable)")
     parser.add_argument("--budget", dest="budgets", action="append",
                         help="2min, 30s, ...; or 1000steps: train.max_steps with no budget (the shape keys must be "
-                        "set: equal steps, to compare ideas without the time probe's spread; with --skip-baseline)")
+                        "set, and tokenizer.vocab_size unless a time budget is given too: equal steps, to compare ideas without "
+                        "the time probe's spread; with --skip-baseline)")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--variant", dest="variants", action="append", default=[])
     parser.add_argument("--skip-baseline", action="store_true")
