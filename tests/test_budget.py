@@ -402,7 +402,8 @@ def test_a_time_plan_decides_between_the_shapes_it_probed_by_their_measured_spee
     every shape agree with the model, and its second pick is kept; a second shape measured 3× slower than that (a
     small batch's fixed work per step, which the model has no term for), or one whose checkpoint costs a third of
     the budget (a large model's save on a GPU), loses to the first, whose probe then sets the steps. Nothing is
-    probed again for it, and the tokens the plan was sized for are those its steps train."""
+    probed again for it, and the tokens the plan was sized for are those its steps train. (A third probe, of the
+    law's near runner-up, may follow: the next test.)"""
     def planned(slow: tuple[int, int] | None = None, dear_save: tuple[int, int] | None = None):
         train_cfg = TrainConfig(budget="60s", batch_size=None, precision="fp32", attention="torch", eval_batches=2)
         probed = []
@@ -418,19 +419,47 @@ def test_a_time_plan_decides_between_the_shapes_it_probed_by_their_measured_spee
         return plan, probed
 
     fair, probed = planned()
-    first, second = probed
+    first, second = probed[:2]
     assert first != second and (fair.sizing["shape"]["d_model"], fair.sizing["shape"]["n_layers"]) == second
     assert fair.sizing["tokens"] == fair.max_steps * fair.tokens_per_step
     for slowed, probed_again in (planned(slow=second), planned(dear_save=second)):
-        assert probed_again == probed  # the same two probes, no third
+        assert probed_again[:2] == probed[:2] and len(probed_again) <= 3  # nothing probed again for the choice
         shape = slowed.sizing["shape"]
-        assert (shape["d_model"], shape["n_layers"]) == first
+        assert (shape["d_model"], shape["n_layers"]) in set(probed_again) - {second}
         first_step = sizing.counts(sizing.Shape(**shape), ModelConfig(**{**shape, "dropout": 0.0}), 64)[2] \
             * slowed.sizing["batch_size"] * shape["seq_len"] / 2e10
         assert slowed.probe.step_seconds == pytest.approx(first_step)  # the steps are the chosen shape's probe's
         assert slowed.sizing["tokens"] == slowed.max_steps * slowed.tokens_per_step
         assert slowed.sizing["tokens"] < 60 * 2e10 / slowed.flops_per_token  # not the whole budget's
-        assert slowed.probe.seconds == pytest.approx(1.0)  # both probes paid from the budget
+        assert slowed.probe.seconds == pytest.approx(0.5 * len(probed_again))  # every probe paid from the budget
+
+
+def test_a_time_plan_measures_a_near_runner_up_whose_speed_the_step_cost_model_may_have_misjudged(monkeypatch):
+    """The step-cost model is fitted to one probed shape; another's speed it has mispredicted by up to a fifth of
+    its tokens (on a Zen 5 it chose d320 × 4 over an unprobed d256 × 4 that measured 0.047 bits/byte better on
+    Pride). So the law's runner-up, where predicted within sizing.MEASURE_MARGIN of the choice, is probed too, and
+    the measured speeds decide: measured twice as fast as the model says, it wins; predicted exactly, it does not;
+    with no margin it is never measured and cannot win."""
+    def planned(fast: tuple[int, int] | None = None):
+        train_cfg = TrainConfig(budget="60s", batch_size=None, precision="fp32", attention="torch", eval_batches=2)
+        probed = []
+
+        def probe(model, train, kernel):
+            flops = sizing.counts(sizing.Shape.of(model), model, 64)[2] * train.batch_size * model.seq_len
+            probed.append((model.d_model, model.n_layers))
+            step = flops / 2e10 * (0.5 if probed[-1] == fast else 1.0)
+            return Probe(step_seconds=step, first_steps_extra=0.1, eval_seconds=0.05, save_seconds=0.05, seconds=0.5)
+        # A fixed matmul peak, so the first guess does not move with this machine's load.
+        plan = decide(ModelConfig(size="auto", dropout=0.0), train_cfg, 64, _stream(200_000), "cpu", 1,
+                      {"fp32": 300.0}, probe)
+        return (plan.sizing["shape"]["d_model"], plan.sizing["shape"]["n_layers"]), probed
+
+    chosen, probed = planned()
+    assert len(probed) == 3 and chosen == probed[1]
+    runner_up = probed[2]
+    assert planned(fast=runner_up) == (runner_up, probed)
+    monkeypatch.setattr(sizing, "MEASURE_MARGIN", 0.0)
+    assert planned(fast=runner_up) == (chosen, probed[:2])
 
 
 def test_a_time_plan_leaves_out_shapes_that_ran_out_of_memory_in_their_probe(caplog):

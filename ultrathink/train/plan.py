@@ -421,15 +421,22 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
             cost = sizing.StepCost(round_figures(peak_rate * GUESS_UTILISATION))
             undropped = {"dropout": model_cfg.dropout or 0.0}
             probed = []  # each probed shape: (its sizing, its probe, its tokens per step, its train config)
-            while len(probed) < 2:
-                sized = sizing.choose(model_cfg, vocab_size, corpus, seconds=max(1.0, budget.amount - spent()),
-                                      cost=cost, batch_size=train_cfg.batch_size, weight_decay=weight_decay,
-                                      below_params=ceiling)
+
+            def sized_for(shape_keys: dict | None = None) -> Sizing:
+                fixed = model_cfg if shape_keys is None else model_cfg.model_copy(update=shape_keys)
+                return sizing.choose(fixed, vocab_size, corpus, seconds=max(1.0, budget.amount - spent()), cost=cost,
+                                     batch_size=train_cfg.batch_size, weight_decay=weight_decay,
+                                     below_params=ceiling)
+
+            def probe_sized(sized: Sizing) -> bool | None:
+                """Probe `sized` (without dropout) and add it to `probed`: True; False where the last probe was
+                of it; None where it ran out of the device's memory (left out, with every larger shape)."""
+                nonlocal lost, ceiling
                 shaped_model, shaped_train = _sized(model_cfg, train_cfg, sized)
                 started = time.perf_counter()
                 try:
                     if not probe_unless_last(shaped_model.model_copy(update=undropped), shaped_train):
-                        break
+                        return False
                 except torch.OutOfMemoryError:
                     # A shape the sizing chose, not the user: one that does not fit this device is left out with
                     # every larger one, and the choice made again (a time budget's first guess on a small GPU).
@@ -441,12 +448,27 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
                     release_device_memory(device)
                     log.warning("model.size auto: %s (%.1fM params) ran out of %s memory in its probe; choosing "
                                 "among smaller shapes", sized.shape, sized.params / 1e6, device)
-                    continue
+                    return None
                 tokens_per_step = shaped_train.batch_size * shaped_train.grad_accum * shaped_model.seq_len
-                taken = probes[-1][1][2]
-                probed.append((sized, taken, tokens_per_step, shaped_train))
-                cost = sizing.StepCost.fitted(round_figures(peak_rate), sized.shape, sized.flops_per_token,
-                                              taken.step_seconds / tokens_per_step)
+                probed.append((sized, probes[-1][1][2], tokens_per_step, shaped_train))
+                return True
+
+            while len(probed) < 2:
+                sized = sized_for()
+                done = probe_sized(sized)
+                if done is False:
+                    break
+                if done:
+                    taken, tokens_per_step = probed[-1][1], probed[-1][2]
+                    cost = sizing.StepCost.fitted(round_figures(peak_rate), sized.shape, sized.flops_per_token,
+                                                  taken.step_seconds / tokens_per_step)
+            # One probe more: the choice at the last fitted cost if it was not probed, else the law's runner-up there
+            # when near enough for that cost's error to reverse them (sizing.MEASURE_MARGIN).
+            final = sized_for()
+            measured_shapes = [shaped.shape for shaped, *_ in probed]
+            contender = final.shape if final.shape not in measured_shapes else sizing.near_runner_up(final)
+            if contender is not None and contender not in measured_shapes:
+                probe_sized(sized_for(asdict(contender)))
             timed = [sizing.at_measured_speed(shaped, corpus, training_seconds(budget, cfg, taken, spent()),
                                               taken.step_seconds / tokens_per_step, model_cfg.dropout, weight_decay)
                      for shaped, taken, tokens_per_step, cfg in probed]

@@ -78,6 +78,11 @@ DROPOUT_MIN_PARAMS_PER_TOKEN = 5.6
 # moves with the machine's load would otherwise pick either. A tie goes to the cheaper shape (fewer FLOPs per
 # token, then fewer parameters): more steps in the same budget.
 TIE = 0.005
+# A time budget's step-cost model, fitted to one probed shape, has mispredicted another's tokens by up to a fifth
+# (Pride: 1.35M predicted, 1.08M trained; on a Zen 5, d256 × 4 about 15% short). A fifth of the tokens moves the
+# law's prediction by about 2%, so a runner-up predicted within this of the choice is probed too and the two are
+# compared at their measured speeds (best_measured).
+MEASURE_MARGIN = 0.02
 # train.weight_decay null: AdamW's decoupled decay on the hidden matrices, by the epochs a run is planned to see. A
 # regulariser that costs nothing per step, so unlike dropout it needs no speed measured: WEIGHT_DECAY below
 # REPEATED_DECAY_EPOCHS passes over the corpus, REPEATED_WEIGHT_DECAY from there. Fitted to runs at equal steps
@@ -275,6 +280,15 @@ def best_measured(measured: list[Sizing]) -> Sizing:
     batch 4 on Pride: 1.35M tokens predicted, 1.08M trained, and 0.028 bits/byte worse than the d192 × 3 it
     displaced). Between shapes both measured, the measurement decides."""
     return _cheapest_of_the_best(measured, lambda s: s.predicted_loss, lambda s: (s.flops_per_token, s.params))
+
+
+def near_runner_up(sized: Sizing) -> Shape | None:
+    """The law's next best shape where it is predicted within MEASURE_MARGIN of `sized` at the step-cost model's
+    speeds: near enough for the model's error to reverse them, so worth measuring."""
+    runner = sized.runner_up
+    if not runner or runner["score"] > sized.predicted_loss * (1 + MEASURE_MARGIN):
+        return None
+    return Shape(**runner["shape"])
 
 
 def _cheapest_of_the_best(options: list, loss, cost):
