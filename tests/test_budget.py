@@ -395,6 +395,17 @@ def test_auto_vocabulary_follows_the_corpus_size(tmp_path):
         TokenizerConfig(vocab_size=100)
 
 
+def _probe_at_a_flop_rate(probed: list, slowdown=lambda shape: 1.0, save_seconds=lambda shape: 0.05):
+    """A time plan's probe that steps at 2e10 FLOP/s times `slowdown` of the (width, depth) probed, and appends
+    that shape to `probed`."""
+    def probe(model, train, kernel):
+        flops = sizing.counts(sizing.Shape.of(model), model, 64)[2] * train.batch_size * model.seq_len
+        probed.append((model.d_model, model.n_layers))
+        return Probe(step_seconds=flops / 2e10 * slowdown(probed[-1]), first_steps_extra=0.1, eval_seconds=0.05,
+                     save_seconds=save_seconds(probed[-1]), seconds=0.5)
+    return probe
+
+
 def test_a_time_plan_decides_between_the_shapes_it_probed_by_their_measured_speed():
     """The step-cost model picks which shapes a time budget probes; between two probed shapes the law decides at
     the tokens each one's measured speed buys in the seconds the budget leaves for training at that shape (less
@@ -407,13 +418,8 @@ def test_a_time_plan_decides_between_the_shapes_it_probed_by_their_measured_spee
     def planned(slow: tuple[int, int] | None = None, dear_save: tuple[int, int] | None = None):
         train_cfg = TrainConfig(budget="60s", batch_size=None, precision="fp32", attention="torch", eval_batches=2)
         probed = []
-
-        def probe(model, train, kernel):
-            flops = sizing.counts(sizing.Shape.of(model), model, 64)[2] * train.batch_size * model.seq_len
-            probed.append((model.d_model, model.n_layers))
-            step = flops / 2e10 * (3.0 if probed[-1] == slow else 1.0)
-            save = 20.0 if probed[-1] == dear_save else 0.05
-            return Probe(step_seconds=step, first_steps_extra=0.1, eval_seconds=0.05, save_seconds=save, seconds=0.5)
+        probe = _probe_at_a_flop_rate(probed, lambda shape: 3.0 if shape == slow else 1.0,
+                                      lambda shape: 20.0 if shape == dear_save else 0.05)
         plan = plan_run(ModelConfig(size="auto", dropout=0.0), train_cfg, 64, _stream(200_000), _stream(2000), "cpu",
                         probe=probe).plan
         return plan, probed
@@ -443,12 +449,7 @@ def test_a_time_plan_measures_a_near_runner_up_whose_speed_the_step_cost_model_m
     def planned(fast: tuple[int, int] | None = None):
         train_cfg = TrainConfig(budget="60s", batch_size=None, precision="fp32", attention="torch", eval_batches=2)
         probed = []
-
-        def probe(model, train, kernel):
-            flops = sizing.counts(sizing.Shape.of(model), model, 64)[2] * train.batch_size * model.seq_len
-            probed.append((model.d_model, model.n_layers))
-            step = flops / 2e10 * (0.5 if probed[-1] == fast else 1.0)
-            return Probe(step_seconds=step, first_steps_extra=0.1, eval_seconds=0.05, save_seconds=0.05, seconds=0.5)
+        probe = _probe_at_a_flop_rate(probed, lambda shape: 0.5 if shape == fast else 1.0)
         # A fixed matmul peak, so the first guess does not move with this machine's load.
         plan = decide(ModelConfig(size="auto", dropout=0.0), train_cfg, 64, _stream(200_000), "cpu", 1,
                       {"fp32": 300.0}, probe)
