@@ -429,9 +429,10 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
                                      below_params=ceiling)
 
             def probe_sized(sized: Sizing) -> bool | None:
-                """Probe `sized` (without dropout) and add it to `probed`: True; False where the last probe was
-                of it; None where it ran out of the device's memory (left out, with every larger shape)."""
-                nonlocal lost, ceiling
+                """Probe `sized` (without dropout), add it to `probed` and fit the step cost to it: True; False
+                where the last probe was of it; None where it ran out of the device's memory (left out, with
+                every larger shape)."""
+                nonlocal lost, ceiling, cost
                 shaped_model, shaped_train = _sized(model_cfg, train_cfg, sized)
                 started = time.perf_counter()
                 try:
@@ -450,18 +451,15 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
                                 "among smaller shapes", sized.shape, sized.params / 1e6, device)
                     return None
                 tokens_per_step = shaped_train.batch_size * shaped_train.grad_accum * shaped_model.seq_len
-                probed.append((sized, probes[-1][1][2], tokens_per_step, shaped_train))
+                taken = probes[-1][1][2]
+                probed.append((sized, taken, tokens_per_step, shaped_train))
+                cost = sizing.StepCost.fitted(round_figures(peak_rate), sized.shape, sized.flops_per_token,
+                                              taken.step_seconds / tokens_per_step)
                 return True
 
             while len(probed) < 2:
-                sized = sized_for()
-                done = probe_sized(sized)
-                if done is False:
+                if probe_sized(sized_for()) is False:  # the choice is the shape just probed
                     break
-                if done:
-                    taken, tokens_per_step = probed[-1][1], probed[-1][2]
-                    cost = sizing.StepCost.fitted(round_figures(peak_rate), sized.shape, sized.flops_per_token,
-                                                  taken.step_seconds / tokens_per_step)
             # One probe more: the choice at the last fitted cost if it was not probed, else the law's runner-up there
             # when near enough for that cost's error to reverse them (sizing.MEASURE_MARGIN).
             final = sized_for()
