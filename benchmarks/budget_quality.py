@@ -92,12 +92,15 @@ def train_and_score(project: Path, held_out: Path, budget: str, overrides: list[
     shape = sizing.Shape.of(model)
     _, non_embedding, _ = sizing.counts(shape, model, config["vocab_size"])
     corpus_tokens = read_meta(project / "data" / "prepared")["train"]["tokens"]
+    [plan] = [p for entry in json.loads((project / "plans" / "train.json").read_text()).values()
+              for p in entry["plans"].values()]  # the plans dir was emptied before this run
     return {"bpb": scored["bits_per_byte"], "steps": summary["steps"], "seconds": seconds,
             "corpus_tokens": corpus_tokens,
             "params": summary["params"], "vocab": config["vocab_size"], "non_embedding_params": non_embedding,
             "tokens": summary["steps"] * summary["plan"]["tokens_per_step"], "shape": asdict(shape),
             "dropout": model.dropout, "weight_decay": summary["plan"].get("weight_decay"),
-            "sizing": sizing_line.split("model.size auto:")[-1].split(" — ")[0].strip()}
+            "sizing": sizing_line.split("model.size auto:")[-1].split(" — ")[0].strip(),
+            "measured": plan["sizing"].get("measured", [])}
 
 
 class CharBaseline:
@@ -287,7 +290,8 @@ def row_line(row: dict) -> str:
     if base:
         line += (f"  nanoGPT {base['bpb']:.4f} ({base['seconds']:.0f} s, {base['iterations']} it)  "
                  f"ratio {ours['bpb'] / base['bpb']:.3f}")
-    return line + f"  [{ours['sizing']}; dropout {ours['dropout']:g}]"
+    measured = f"; measured {sizing.describe_measured(ours['measured'])}" if ours["measured"] else ""
+    return line + f"  [{ours['sizing']}; dropout {ours['dropout']:g}{measured}]"
 
 
 def summary(rows: list[dict]) -> None:

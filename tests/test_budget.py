@@ -445,7 +445,8 @@ def test_a_time_plan_measures_a_near_runner_up_whose_speed_the_step_cost_model_m
     its tokens (on a Zen 5 it chose d320 × 4 over an unprobed d256 × 4 that measured 0.047 bits/byte better on
     Pride). So the law's runner-up, where predicted within sizing.MEASURE_MARGIN of the choice, is probed too, and
     the measured speeds decide: measured twice as fast as the model says, it wins; predicted exactly, it does not;
-    with no margin it is never measured and cannot win."""
+    with no margin it is never measured and cannot win. The plan keeps what it compared: every probed shape with
+    the tokens its measured speed buys and the loss the law predicts for them."""
     def planned(fast: tuple[int, int] | None = None):
         train_cfg = TrainConfig(budget="60s", batch_size=None, precision="fp32", attention="torch", eval_batches=2)
         probed = []
@@ -453,14 +454,22 @@ def test_a_time_plan_measures_a_near_runner_up_whose_speed_the_step_cost_model_m
         # A fixed matmul peak, so the first guess does not move with this machine's load.
         plan = decide(ModelConfig(size="auto", dropout=0.0), train_cfg, 64, _stream(200_000), "cpu", 1,
                       {"fp32": 300.0}, probe)
-        return (plan.sizing["shape"]["d_model"], plan.sizing["shape"]["n_layers"]), probed
+        measured = {(m["shape"]["d_model"], m["shape"]["n_layers"]): m for m in plan.sizing["measured"]}
+        assert list(measured) == probed and measured[probed[-1]]["tokens"] > 0
+        assert min(measured.values(), key=lambda m: m["predicted_loss"])["shape"] == plan.sizing["shape"]
+        return (plan.sizing["shape"]["d_model"], plan.sizing["shape"]["n_layers"]), probed, measured
 
-    chosen, probed = planned()
+    chosen, probed, measured = planned()
     assert len(probed) == 3 and chosen == probed[1]
     runner_up = probed[2]
-    assert planned(fast=runner_up) == (runner_up, probed)
+    won, probed_fast, measured_fast = planned(fast=runner_up)
+    assert (won, probed_fast) == (runner_up, probed)
+    # Twice the speed, about twice the tokens (its more steps also validate and save more often).
+    assert measured_fast[runner_up]["tokens"] == pytest.approx(2 * measured[runner_up]["tokens"], rel=0.05)
+    assert measured_fast[runner_up]["predicted_loss"] < measured[runner_up]["predicted_loss"]
+    assert measured_fast[chosen] == measured[chosen]
     monkeypatch.setattr(sizing, "MEASURE_MARGIN", 0.0)
-    assert planned(fast=runner_up) == (chosen, probed[:2])
+    assert planned(fast=runner_up)[:2] == (chosen, probed[:2])
 
 
 def test_a_time_plan_leaves_out_shapes_that_ran_out_of_memory_in_their_probe(caplog):

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from ultrathink.config import ModelConfig
@@ -148,6 +148,9 @@ class Sizing:
     predicted_loss: float
     runner_up: dict
     dropout: float | None = None  # model.dropout's, or with_dropout's choice (None: a plan recorded before either)
+    # A time budget's probed shapes, as best_measured compared them: shape, batch, the tokens their measured speed
+    # buys and the loss the law predicts for those (empty: no time budget, or a plan recorded before it was kept).
+    measured: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "shape": asdict(self.shape)}
@@ -164,7 +167,15 @@ class Sizing:
                 f"Chinchilla's fit predicts for this budget with repeated data discounted (R* {REPEAT_DECAY:g}) "
                 f"and at most {MEASURED_PARAMS_PER_TOKEN:g} parameters per token credited "
                 f"(next best: {self.runner_up.get('shape')})"
-                + ("" if self.dropout is None else f"; dropout {self.dropout:g}"))
+                + ("" if self.dropout is None else f"; dropout {self.dropout:g}")
+                + (f"; measured: {describe_measured(self.measured)}" if self.measured else ""))
+
+
+def describe_measured(measured: list[dict]) -> str:
+    """A time budget's probed shapes as best_measured compared them (Sizing.measured), e.g. `192x3 batch 16:
+    2.10M tokens, predicted loss 3.1234`."""
+    return ", ".join(f"{m['shape']['d_model']}x{m['shape']['n_layers']} batch {m['batch_size']}: "
+                     f"{m['tokens'] / 1e6:.2f}M tokens, predicted loss {m['predicted_loss']:.4f}" for m in measured)
 
 
 def effective_tokens(tokens: float, unique: float, repeat_decay: float = REPEAT_DECAY) -> float:
@@ -278,8 +289,10 @@ def best_measured(measured: list[Sizing]) -> Sizing:
     cheapest, as `choose` breaks ties. The step-cost model decides which shapes a time budget measures; it has no
     per-step term, so it overrates a shape whose small batch leaves a step's fixed work to few tokens (d256 × 3 at
     batch 4 on Pride: 1.35M tokens predicted, 1.08M trained, and 0.028 bits/byte worse than the d192 × 3 it
-    displaced). Between shapes both measured, the measurement decides."""
-    return _cheapest_of_the_best(measured, lambda s: s.predicted_loss, lambda s: (s.flops_per_token, s.params))
+    displaced). Between shapes both measured, the measurement decides. The choice records them all (`measured`)."""
+    best = _cheapest_of_the_best(measured, lambda s: s.predicted_loss, lambda s: (s.flops_per_token, s.params))
+    return replace(best, measured=[{"shape": asdict(s.shape), "batch_size": s.batch_size, "tokens": s.tokens,
+                                    "predicted_loss": s.predicted_loss} for s in measured])
 
 
 def near_runner_up(sized: Sizing) -> Shape | None:
