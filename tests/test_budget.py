@@ -270,6 +270,8 @@ def test_dropout_is_kept_where_the_law_predicts_it_pays_and_a_set_value_wins():
     assert model.dropout == many.dropout and model.resolved and "dropout 0.1" in many.explain()
     old = {k: v for k, v in many.to_dict().items() if k != "dropout"}  # a plan recorded before dropout was sized
     assert "dropout" not in sizing.Sizing.from_dict(old).explain()
+    before_measured = {k: v for k, v in many.to_dict().items() if k != "measured"}  # nor what a time plan probed
+    assert sizing.Sizing.from_dict(before_measured).measured == [] and "measured" not in many.explain()
 
 
 def test_dropouts_repeat_discount_is_the_one_the_measured_runs_fit():
@@ -466,6 +468,8 @@ def test_a_time_plan_measures_a_near_runner_up_whose_speed_the_step_cost_model_m
         measured = {(m["shape"]["d_model"], m["shape"]["n_layers"]): m for m in plan.sizing["measured"]}
         assert list(measured) == probed and measured[probed[-1]]["tokens"] > 0
         assert min(measured.values(), key=lambda m: m["predicted_loss"])["shape"] == plan.sizing["shape"]
+        line = sizing.Sizing.from_dict(plan.sizing).explain()  # what the run logs
+        assert all(f"{w}x{depth} batch " in line.split("measured: ")[1] for w, depth in probed)
         return (plan.sizing["shape"]["d_model"], plan.sizing["shape"]["n_layers"]), probed, measured
 
     chosen, probed, measured = planned()
