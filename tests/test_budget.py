@@ -124,6 +124,7 @@ def test_the_repeat_discount_is_the_one_the_measured_sweeps_fit(monkeypatch):
     twice = Sweep("corpus", "2min", 1_000_000, (Run("a", 1, 1, 2.00), Run("a", 1, 1, 2.02), Run("b", 2, 1, 1.00),
                                                 Run("b", 2, 1, 1.00), Run("b", 2, 1, 1.03), Run("c", 3, 1, 1.5)))
     assert run_spread((twice,)) == pytest.approx(math.sqrt((0.0002 + 2 * 0.0003) / 3))  # pooled over a and b
+    assert run_spread((Sweep("corpus", "2min", 1_000_000, (Run("a", 1, 1, 2.0), Run("b", 2, 1, 1.9))),)) == 0.0
     # Every sweep within the spread but two, small corpora at a budget large beside them, where a shape smaller than
     # the law's pick measured best (the test below: no bound on parameters per token fixes them without a miss
     # elsewhere).

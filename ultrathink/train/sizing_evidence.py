@@ -249,8 +249,11 @@ GRID = (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 15.4)
 
 def run_spread(sweeps: tuple[Sweep, ...] = SWEEPS) -> float:
     """The standard deviation of one run's bits per byte, pooled over every shape run more than once in a sweep:
-    the same configuration trains more or fewer steps in its seconds as the machine's load moves."""
+    the same configuration trains more or fewer steps in its seconds as the machine's load moves. 0 where no shape
+    was run twice: no spread was measured."""
     groups = [[r.bpb for r in s.runs if r.shape == m.shape] for s in sweeps for m in s.shapes() if m.runs > 1]
+    if not groups:
+        return 0.0
     return math.sqrt(sum(statistics.variance(g) * (len(g) - 1) for g in groups) / sum(len(g) - 1 for g in groups))
 
 
