@@ -468,6 +468,8 @@ def test_a_time_plan_measures_a_near_runner_up_whose_speed_the_step_cost_model_m
                       {"fp32": 300.0}, probe)
         measured = {(m["shape"]["d_model"], m["shape"]["n_layers"]): m for m in plan.sizing["measured"]}
         assert list(measured) == probed and measured[probed[-1]]["tokens"] > 0
+        assert [m["why"] for m in measured.values()][:2] == ["first guess", "refitted choice"]
+        assert len(probed) < 3 or measured[probed[2]]["why"] in ("last choice", "near runner-up")
         assert min(measured.values(), key=lambda m: m["predicted_loss"])["shape"] == plan.sizing["shape"]
         line = sizing.Sizing.from_dict(plan.sizing).explain()  # what the run logs
         assert all(f"{w}x{depth} batch " in line.split("measured: ")[1] for w, depth in probed)
@@ -476,6 +478,7 @@ def test_a_time_plan_measures_a_near_runner_up_whose_speed_the_step_cost_model_m
     chosen, probed, measured = planned()
     assert len(probed) == 3 and chosen == probed[1]
     runner_up = probed[2]
+    assert measured[runner_up]["why"] == "near runner-up"
     won, probed_fast, measured_fast = planned(fast=runner_up)
     assert (won, probed_fast) == (runner_up, probed)
     # Twice the speed, about twice the tokens (its more steps also validate and save more often).

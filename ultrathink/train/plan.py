@@ -21,7 +21,7 @@ from collections.abc import Callable
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -420,7 +420,7 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
             peak_rate = (peak or 1e11) * world_size
             cost = sizing.StepCost(round_figures(peak_rate * GUESS_UTILISATION))
             undropped = {"dropout": model_cfg.dropout or 0.0}
-            probed = []  # each probed shape: (its sizing, its probe, its tokens per step, its train config)
+            probed = []  # each probed shape: (its sizing, its probe, its tokens per step, its train config, why)
 
             def sized_for(shape_keys: dict | None = None) -> Sizing:
                 fixed = model_cfg if shape_keys is None else model_cfg.model_copy(update=shape_keys)
@@ -428,7 +428,7 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
                                      batch_size=train_cfg.batch_size, weight_decay=weight_decay,
                                      below_params=ceiling)
 
-            def probe_sized(sized: Sizing) -> bool | None:
+            def probe_sized(sized: Sizing, why: str) -> bool | None:
                 """Probe `sized` (without dropout), add it to `probed` and fit the step cost to it: True; False
                 where the last probe was of it; None where it ran out of the device's memory (left out, with
                 every larger shape)."""
@@ -452,25 +452,27 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
                     return None
                 tokens_per_step = shaped_train.batch_size * shaped_train.grad_accum * shaped_model.seq_len
                 taken = probes[-1][1][2]
-                probed.append((sized, taken, tokens_per_step, shaped_train))
+                probed.append((sized, taken, tokens_per_step, shaped_train, why))
                 cost = sizing.StepCost.fitted(round_figures(peak_rate), sized.shape, sized.flops_per_token,
                                               taken.step_seconds / tokens_per_step)
                 return True
 
             while len(probed) < 2:
-                if probe_sized(sized_for()) is False:  # the choice is the shape just probed
+                if probe_sized(sized_for(), "refitted choice" if probed else "first guess") is False:  # just probed
                     break
             # One probe more: the choice at the last fitted cost if it was not probed, else the law's runner-up there
             # when near enough for that cost's error to reverse them (sizing.MEASURE_MARGIN).
             final = sized_for()
             measured_shapes = [shaped.shape for shaped, *_ in probed]
-            contender = final.shape if final.shape not in measured_shapes else sizing.near_runner_up(final)
+            unprobed = final.shape not in measured_shapes
+            contender = final.shape if unprobed else sizing.near_runner_up(final)
             if contender is not None and contender not in measured_shapes:
-                probe_sized(sized_for(asdict(contender)))
+                probe_sized(sized_for(asdict(contender)), "last choice" if unprobed else "near runner-up")
             timed = [sizing.at_measured_speed(shaped, corpus, training_seconds(budget, cfg, taken, spent()),
                                               taken.step_seconds / tokens_per_step, model_cfg.dropout, weight_decay)
-                     for shaped, taken, tokens_per_step, cfg in probed]
-            sized = sizing.best_measured(timed)
+                     for shaped, taken, tokens_per_step, cfg, _ in probed]
+            sized = replace(sizing.best_measured(timed),
+                            measured=[sizing.probed_record(t, why) for t, (*_, why) in zip(timed, probed)])
             shaped_model, shaped_train = _sized(model_cfg, train_cfg, sized)
             probe_last(shaped_model.model_copy(update=undropped), shaped_train)
             if model_cfg.dropout is None and sized.dropout:

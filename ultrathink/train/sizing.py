@@ -148,8 +148,9 @@ class Sizing:
     predicted_loss: float
     runner_up: dict
     dropout: float | None = None  # model.dropout's, or with_dropout's choice (None: a plan recorded before either)
-    # A time budget's probed shapes, as best_measured compared them: shape, batch, the tokens their measured speed
-    # buys and the loss the law predicts for those (empty: no time budget, or a plan recorded before it was kept).
+    # A time budget's probed shapes, as best_measured compared them (probed_record: shape, batch, the tokens their
+    # measured speed buys, the loss the law predicts for those, why it was probed). Empty: no time budget, or a
+    # plan recorded before they were kept.
     measured: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -172,9 +173,9 @@ class Sizing:
 
 
 def describe_measured(measured: list[dict]) -> str:
-    """A time budget's probed shapes as best_measured compared them (Sizing.measured), e.g. `192x3 batch 16:
-    2.10M tokens, predicted loss 3.1234`."""
-    return ", ".join(f"{m['shape']['d_model']}x{m['shape']['n_layers']} batch {m['batch_size']}: "
+    """A time budget's probed shapes as best_measured compared them (Sizing.measured), e.g. `192x3 batch 16
+    (first guess): 2.10M tokens, predicted loss 3.1234`."""
+    return ", ".join(f"{m['shape']['d_model']}x{m['shape']['n_layers']} batch {m['batch_size']} ({m['why']}): "
                      f"{m['tokens'] / 1e6:.2f}M tokens, predicted loss {m['predicted_loss']:.4f}" for m in measured)
 
 
@@ -289,10 +290,15 @@ def best_measured(measured: list[Sizing]) -> Sizing:
     cheapest, as `choose` breaks ties. The step-cost model decides which shapes a time budget measures; it has no
     per-step term, so it overrates a shape whose small batch leaves a step's fixed work to few tokens (d256 × 3 at
     batch 4 on Pride: 1.35M tokens predicted, 1.08M trained, and 0.028 bits/byte worse than the d192 × 3 it
-    displaced). Between shapes both measured, the measurement decides. The choice records them all (`measured`)."""
-    best = _cheapest_of_the_best(measured, lambda s: s.predicted_loss, lambda s: (s.flops_per_token, s.params))
-    return replace(best, measured=[{"shape": asdict(s.shape), "batch_size": s.batch_size, "tokens": s.tokens,
-                                    "predicted_loss": s.predicted_loss} for s in measured])
+    displaced). Between shapes both measured, the measurement decides."""
+    return _cheapest_of_the_best(measured, lambda s: s.predicted_loss, lambda s: (s.flops_per_token, s.params))
+
+
+def probed_record(sized: Sizing, why: str) -> dict:
+    """One shape a time budget probed, as its plan keeps it (Sizing.measured): at its measured speed
+    (at_measured_speed), and why it was probed (first guess, refitted choice, last choice, near runner-up)."""
+    return {"shape": asdict(sized.shape), "batch_size": sized.batch_size, "tokens": sized.tokens,
+            "predicted_loss": sized.predicted_loss, "why": why}
 
 
 def near_runner_up(sized: Sizing) -> Shape | None:
