@@ -264,8 +264,9 @@ def fit_repeat_decay(sweeps: tuple[Sweep, ...] = SWEEPS) -> float:
     0.010). The rule in use does not see the tokens a shape will get but predicts them from the probe's step cost,
     a few % off either way; the strongest discount that fits keeps the larger shape's measured win clear of that
     error."""
-    best = min(total_regret(d, sweeps) for d in GRID)
-    return min(d for d in GRID if total_regret(d, sweeps) <= best + run_spread(sweeps))
+    regrets = {d: total_regret(d, sweeps) for d in GRID}
+    tie = min(regrets.values()) + run_spread(sweeps)
+    return min(d for d, regret in regrets.items() if regret <= tie)
 
 
 def params_per_token_edge(sweeps: tuple[Sweep, ...] = SWEEPS) -> float:
@@ -312,8 +313,8 @@ def fit_dropout(repeat_decay: float, sweeps: tuple[Sweep, ...] = SWEEPS) -> tupl
         except ValueError:
             continue
         candidates.append((total_dropout_regret(repeat_decay, decay, threshold, sweeps), decay, threshold))
-    best = min(regret for regret, _, _ in candidates)
-    return min((decay, threshold) for regret, decay, threshold in candidates if regret <= best + run_spread(sweeps))
+    tie = min(regret for regret, _, _ in candidates) + run_spread(sweeps)
+    return min((decay, threshold) for regret, decay, threshold in candidates if regret <= tie)
 
 
 @dataclass(frozen=True)
