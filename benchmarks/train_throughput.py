@@ -12,11 +12,13 @@ compiled.
 
     .venv/bin/python benchmarks/train_throughput.py [--steps 6] [--reps 5] [--no-compile] [--shape 384x6]
         [--batch 8] [--vocab 4096] [--seq 256] [--device auto] [--bare] [--profile] [--model key=value ...]
+        [--torch-norms]
 
 --bare adds rows of UltraThink's model in the references' loop (no clipping, no loss read back each step), eager
 and compiled: what the Trainer's step costs beyond the model's. --model adds an UltraThink row with one model key
 changed (e.g. --model qk_norm=true --model dropout=0.1): what an architecture option costs per step, side by side.
---profile prints, after the timing, each row's top kernels over two steps: where the difference goes.
+--torch-norms adds an eager UltraThink row whose RMSNorms take torch's rms_norm instead of the fused CPU kernel
+(ultrathink/model/fused_norm.py): what the kernel buys, side by side. --profile prints, after the timing, each row's top kernels over two steps: where the difference goes.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from reference_gpt import GPT  # noqa: E402
 
 from ultrathink.config import ModelConfig, TrainConfig  # noqa: E402
 from ultrathink.device import is_cuda, resolve_device, synchronize  # noqa: E402
-from ultrathink.model import UltraThink  # noqa: E402
+from ultrathink.model import UltraThink, fused_norm  # noqa: E402
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint  # noqa: E402
 from ultrathink.train.engine import autocast, build_engine  # noqa: E402
 from ultrathink.train.loader import TokenWindows  # noqa: E402
@@ -74,6 +76,13 @@ def reference_step(model: torch.nn.Module, optimizer, forward, precision: str, d
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return step
+
+
+def on_torch_norms(step):
+    def on_torch_path() -> None:
+        with fused_norm.torch_path():
+            step()
+    return on_torch_path
 
 
 def timed(steps: dict, device: torch.device, reps: int, count: int) -> tuple[dict[str, float], dict[str, float]]:
@@ -126,6 +135,8 @@ def main() -> None:
                         help="one more row: UltraThink's model in the references' loop, without the Trainer")
     parser.add_argument("--model", dest="model_keys", action="append", default=[],
                         help="key=value: one more UltraThink row with this model key (e.g. dropout=0.1), eager")
+    parser.add_argument("--torch-norms", action="store_true",
+                        help="one more UltraThink row, eager, its RMSNorms on torch's rms_norm (no fused kernel)")
     args = parser.parse_args()
     width, layers = (int(v) for v in args.shape.split("x"))
     SHAPE.update(d_model=width, n_layers=layers, n_heads=width // 64, n_kv_heads=width // 64,
@@ -156,6 +167,9 @@ def main() -> None:
             key, value = item.split("=", 1)
             steps[f"ultrathink[{item}]"], _ = ultrathink_step(Path(tmp), dist, compile=False,
                                                              model_keys={key: yaml.safe_load(value)})
+        if args.torch_norms:
+            step, _ = ultrathink_step(Path(tmp), dist, compile=False)
+            steps["ultrathink[torch norms]"] = on_torch_norms(step)
         if args.bare:
             bare = ready_model(UltraThink(cfg, VOCAB), TrainConfig(), None, dist)
             steps["ultrathink_bare"] = reference_step(bare, torch.optim.AdamW(bare.parameters(), lr=1e-3, fused=True),

@@ -28,7 +28,7 @@ from ultrathink.config import ModelConfig
 from ultrathink.config.schema import RopeScaling
 from ultrathink.device import resolve_device
 from ultrathink.hashing import file_sha256
-from ultrathink.model import hf
+from ultrathink.model import fused_norm, hf
 from ultrathink.model.kernels import AttentionKernel
 from ultrathink.model.routing import Records, RoutingModule, StepStats, numel, prefixed, variant_classes
 
@@ -50,8 +50,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 even under bf16 autocast: the mean of squares loses too much precision in bf16. torch's
-        # rms_norm (input and weight of one dtype) is fused where a backend has a kernel; on a CPU it is still a
-        # few elementwise passes, ~15% fewer than the hand-written form.
+        # rms_norm (input and weight of one dtype) is fused on GPUs and under torch.compile; on a CPU it is several
+        # elementwise passes, so eager CPU runs take our fused kernel (fused_norm.py) where it could be built.
+        if fused_norm.applies(x):
+            return fused_norm.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 

@@ -1,0 +1,179 @@
+"""The fused CPU RMSNorm kernel (ultrathink/model/fused_norm.py): the same values and gradients as torch's rms_norm,
+taken where it applies and not elsewhere, and a machine that cannot build it (or builds it twice at once, or is
+killed mid-build) still trains."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ultrathink.config import ModelConfig
+from ultrathink.model import UltraThink, fused_norm
+from ultrathink.model.model import RMSNorm
+
+needs_kernel = pytest.mark.skipif(fused_norm.kernel() is None, reason="no C++ compiler here: the kernel cannot build")
+
+EPS = 1e-6
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """RMSNorm in float64: the yardstick both paths are held to."""
+    x64 = x.double()
+    return x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
+
+
+def values_and_grads(norm, x: torch.Tensor, weight: torch.Tensor, upstream: torch.Tensor):
+    x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
+    y = norm(x, weight)
+    y.backward(upstream.to(y.dtype))
+    return y, x.grad, weight.grad
+
+
+def fused(x, weight):
+    return fused_norm.rms_norm(x, weight, EPS)
+
+
+def torch_rms_norm(x, weight):
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), EPS).to(x.dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(4, 33, 384), (2, 17, 6, 64), (5, 1, 1000)])
+def test_fp32_values_and_gradients_match_float64(shape):
+    torch.manual_seed(0)
+    x = torch.randn(shape) * 3 + 0.5
+    weight = torch.randn(shape[-1])
+    upstream = torch.randn(shape)
+    y, dx, dw = values_and_grads(fused, x, weight, upstream)
+    y64, dx64, dw64 = values_and_grads(reference, x.double(), weight.double(), upstream.double())
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), y64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx.double(), dx64, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dw.double(), dw64, rtol=1e-4, atol=1e-4)
+    # and no further from float64 than torch's own fp32 path
+    y_torch, dx_torch, _ = values_and_grads(torch_rms_norm, x, weight, upstream)
+    assert (y.double() - y64).abs().max() <= 4 * (y_torch.double() - y64).abs().max() + 1e-6
+    assert (dx.double() - dx64).abs().max() <= 4 * (dx_torch.double() - dx64).abs().max() + 1e-6
+
+
+@needs_kernel
+def test_bf16_rounds_as_torch_does():
+    """bf16 in, bf16 out, statistics in fp32: within one bf16 rounding of torch's path, gradients included."""
+    torch.manual_seed(1)
+    x = (torch.randn(3, 29, 4, 64) * 2).bfloat16()
+    weight = torch.rand(64) + 0.5
+    upstream = torch.randn(x.shape)
+    y, dx, dw = values_and_grads(fused, x, weight, upstream)
+    y_torch, dx_torch, dw_torch = values_and_grads(torch_rms_norm, x, weight, upstream)
+    assert y.dtype == dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
+    torch.testing.assert_close(y, y_torch, rtol=2 ** -7, atol=1e-3)
+    torch.testing.assert_close(dx, dx_torch, rtol=2 ** -6, atol=1e-2)
+    torch.testing.assert_close(dw, dw_torch, rtol=1e-3, atol=1e-2)
+    nan = fused(torch.full((1, 64), float("nan"), dtype=torch.bfloat16), weight)
+    assert nan.isnan().all()
+
+
+@needs_kernel
+def test_non_contiguous_input():
+    torch.manual_seed(2)
+    x = torch.randn(6, 64, 8).transpose(1, 2)  # last dim strided
+    weight = torch.randn(64)
+    upstream = torch.randn(x.shape)
+    y, dx, dw = values_and_grads(fused, x, weight, upstream)
+    y64, dx64, dw64 = values_and_grads(reference, x.double(), weight.double(), upstream.double())
+    torch.testing.assert_close(y.double(), y64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx.double(), dx64, rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+def test_the_model_takes_it_and_trains_alike(monkeypatch):
+    """An eager CPU model runs its norms through the kernel; its loss and every gradient match torch's path."""
+    assert fused_norm.applies(torch.ones(2, 8))
+    with fused_norm.torch_path():
+        assert not fused_norm.applies(torch.ones(2, 8))
+    assert not fused_norm.applies(torch.ones(2, 8, dtype=torch.float16))
+    cfg = ModelConfig(d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, seq_len=32, dropout=0.0)
+    torch.manual_seed(3)
+    model = UltraThink(cfg, 97)
+    tokens = torch.randint(0, 97, (3, 32))
+    calls = []
+    original = fused_norm.rms_norm
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(fused_norm, "rms_norm", counted)
+    loss = model(tokens, tokens).loss
+    assert len(calls) == 2 * 2 + 2 * 2 + 1  # per layer: two block norms, q and k norms; the final norm
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    with fused_norm.torch_path():
+        torch_loss = model(tokens, tokens).loss
+        torch_loss.backward()
+    torch.testing.assert_close(loss, torch_loss, rtol=1e-6, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_compiled_norm_takes_torch_path_in_one_graph():
+    """Under torch.compile the norm is torch's form (Inductor fuses it): no graph break, the same values."""
+    norm = RMSNorm(48, EPS)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48))
+    x = torch.randn(4, 48)
+    compiled = torch.compile(norm, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), norm(x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_cache_name_follows_source_and_machine(monkeypatch):
+    name = fused_norm.library_name()
+    monkeypatch.setattr(fused_norm, "cpu_features", lambda: "flags: fpu sse2")  # another machine class
+    assert fused_norm.library_name() != name
+
+
+BUILD = ("import logging, sys; logging.basicConfig(level=logging.INFO, format='%(message)s');"
+         "import torch; from ultrathink.model import fused_norm;"
+         "from ultrathink.model.model import RMSNorm;"
+         "k = fused_norm.kernel(); y = RMSNorm(8, 1e-6)(torch.ones(2, 8));"
+         "print('kernel', k is not None, 'sum', round(y.sum().item(), 3))")
+
+
+def start(env_changes: dict) -> subprocess.Popen:
+    env = {**os.environ, **env_changes}
+    return subprocess.Popen([sys.executable, "-c", BUILD], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def test_no_compiler_falls_back_with_one_warning(tmp_path):
+    done = start({"TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": str(tmp_path / "no-such-compiler")})
+    out, _ = done.communicate(timeout=300)
+    assert done.returncode == 0, out
+    assert "kernel False sum 16.0" in out
+    assert out.count("RMSNorm stays on torch's slower CPU path") == 1 and "rms_norm.cpp" in out
+    assert not list((tmp_path / "ultrathink").glob("*.so"))
+
+
+@needs_kernel
+def test_two_builds_at_once_and_one_killed(tmp_path):
+    """Two processes find an empty cache and build together; one is killed mid-build. The other finishes, the cache
+    holds one complete library, and the next process loads it without building."""
+    env = {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    killed, survivor = start(env), start(env)
+    time.sleep(3)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait(timeout=60)
+    out, _ = survivor.communicate(timeout=600)
+    assert survivor.returncode == 0, out
+    assert "kernel True sum 16.0" in out and "built the fused CPU RMSNorm" in out
+    [library] = (tmp_path / "ultrathink").glob("*.so")
+    assert library.name == f"{fused_norm.library_name()}.so"
+    again = start(env)
+    out, _ = again.communicate(timeout=300)
+    assert "kernel True sum 16.0" in out and "built" not in out
