@@ -16,10 +16,11 @@ export GX_ANALYTICS_ENABLED=false
 
 .PHONY: setup run repro test bench ui clean
 
-# The fused CPU RMSNorm (ultrathink/model/fused_norm.py) is compiled for this machine once, here, so no run pays
-# for it; a second call finds it cached (~1 s). A machine without a C++ compiler is told so and trains without it.
+# The fused CPU kernels (RMSNorm, rotary: ultrathink/model/cpu_kernels.py) are compiled for this machine once,
+# here, so no run pays for them; a second call finds them cached (~1 s). A machine without a C++ compiler is told
+# so and trains without them.
 setup: $(STAMP)
-	$(BIN)/python -c "from ultrathink.model.fused_norm import prebuild; prebuild()"
+	$(BIN)/python -c "from ultrathink.model.cpu_kernels import prebuild; prebuild()"
 
 # Reinstall only when the dependency list or the pins change. torch goes first, alone, so pip takes the local
 # CPU build and nothing later can ask for a CUDA one.

@@ -12,13 +12,13 @@ compiled.
 
     .venv/bin/python benchmarks/train_throughput.py [--steps 6] [--reps 5] [--no-compile] [--shape 384x6]
         [--batch 8] [--vocab 4096] [--seq 256] [--device auto] [--bare] [--profile] [--model key=value ...]
-        [--torch-norms]
+        [--torch-path]
 
 --bare adds rows of UltraThink's model in the references' loop (no clipping, no loss read back each step), eager
 and compiled: what the Trainer's step costs beyond the model's. --model adds an UltraThink row with one model key
 changed (e.g. --model qk_norm=true --model dropout=0.1): what an architecture option costs per step, side by side.
---torch-norms adds an eager UltraThink row whose RMSNorms take torch's rms_norm instead of the fused CPU kernel
-(ultrathink/model/fused_norm.py): what the kernel buys, side by side. --profile prints, after the timing, each row's top kernels over two steps: where the difference goes.
+--torch-path adds an eager UltraThink row whose RMSNorms and rotary embeddings take torch's operators instead of
+the fused CPU kernels (ultrathink/model/cpu_kernels.py): what the kernels buy, side by side. --profile prints, after the timing, each row's top kernels over two steps: where the difference goes.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from reference_gpt import GPT  # noqa: E402
 
 from ultrathink.config import ModelConfig, TrainConfig  # noqa: E402
 from ultrathink.device import is_cuda, resolve_device, synchronize  # noqa: E402
-from ultrathink.model import UltraThink, fused_norm  # noqa: E402
+from ultrathink.model import UltraThink, cpu_kernels  # noqa: E402
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint  # noqa: E402
 from ultrathink.train.engine import autocast, build_engine  # noqa: E402
 from ultrathink.train.loader import TokenWindows  # noqa: E402
@@ -78,11 +78,11 @@ def reference_step(model: torch.nn.Module, optimizer, forward, precision: str, d
     return step
 
 
-def on_torch_norms(step):
-    def on_torch_path() -> None:
-        with fused_norm.torch_path():
+def on_torch_path(step):
+    def step_on_torch_path() -> None:
+        with cpu_kernels.torch_path():
             step()
-    return on_torch_path
+    return step_on_torch_path
 
 
 def timed(steps: dict, device: torch.device, reps: int, count: int) -> tuple[dict[str, float], dict[str, float]]:
@@ -135,8 +135,8 @@ def main() -> None:
                         help="one more row: UltraThink's model in the references' loop, without the Trainer")
     parser.add_argument("--model", dest="model_keys", action="append", default=[],
                         help="key=value: one more UltraThink row with this model key (e.g. dropout=0.1), eager")
-    parser.add_argument("--torch-norms", action="store_true",
-                        help="one more UltraThink row, eager, its RMSNorms on torch's rms_norm (no fused kernel)")
+    parser.add_argument("--torch-path", action="store_true",
+                        help="one more UltraThink row, eager, its norms and rotary embeddings on torch's operators")
     args = parser.parse_args()
     width, layers = (int(v) for v in args.shape.split("x"))
     SHAPE.update(d_model=width, n_layers=layers, n_heads=width // 64, n_kv_heads=width // 64,
@@ -167,9 +167,9 @@ def main() -> None:
             key, value = item.split("=", 1)
             steps[f"ultrathink[{item}]"], _ = ultrathink_step(Path(tmp), dist, compile=False,
                                                              model_keys={key: yaml.safe_load(value)})
-        if args.torch_norms:
+        if args.torch_path:
             step, _ = ultrathink_step(Path(tmp), dist, compile=False)
-            steps["ultrathink[torch norms]"] = on_torch_norms(step)
+            steps["ultrathink[torch path]"] = on_torch_path(step)
         if args.bare:
             bare = ready_model(UltraThink(cfg, VOCAB), TrainConfig(), None, dist)
             steps["ultrathink_bare"] = reference_step(bare, torch.optim.AdamW(bare.parameters(), lr=1e-3, fused=True),

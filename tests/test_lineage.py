@@ -34,7 +34,7 @@ def test_the_train_closure_has_the_token_reader_and_the_variants_and_not_the_oth
     train = {str(p) for p in module_closure("tasks.train")}
     # The reader that supplies every training batch, the variants a config enables, the stage's own module.
     assert {"ultrathink/data/tokens.py", "ultrathink/model/moe.py", "ultrathink/model/dre.py",
-            "ultrathink/train/trainer.py", "ultrathink/train/plan.py", "ultrathink/stages/train.py",
+            "ultrathink/model/csrc/cpu_kernels.cpp", "ultrathink/train/trainer.py", "ultrathink/train/plan.py", "ultrathink/stages/train.py",
             "tasks/train.py"} <= train
     # A stage does not run the CLI, another stage's code, the corpus gate or the token writer.
     assert not {"ultrathink/cli.py", "tasks/validate.py", "ultrathink/stages/validate.py",
@@ -65,7 +65,11 @@ def test_the_code_hash_moves_with_code_the_stage_imports_and_only_with_it(projec
     assert code_hash("tasks.train", project_copy) == before
     with (project_copy / "ultrathink/data/tokens.py").open("a") as f:  # the token reader: train's code
         f.write("\n# an edit\n")
-    assert code_hash("tasks.train", project_copy) != before
+    after_python = code_hash("tasks.train", project_copy)
+    assert after_python != before
+    with (project_copy / "ultrathink/model/csrc/cpu_kernels.cpp").open("a") as f:  # C++ the model builds and runs
+        f.write("\n// an edit\n")
+    assert code_hash("tasks.train", project_copy) != after_python
 
 
 def test_the_closure_follows_function_level_and_relative_imports(project_copy):

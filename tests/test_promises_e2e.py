@@ -54,10 +54,9 @@ def test_a_code_change_retrains_and_never_publishes_the_old_weights(project):
     before, champion_bpb = weights(project), metrics(project)["val_bpb"]
     model_py = project / "ultrathink/model/model.py"
     source = model_py.read_text()
-    # The sign in apply_rotary: one line of the model's math.
-    edited = source.replace("torch.cat([-x[..., half:], x[..., :half]], dim=-1)",
-                            "torch.cat([x[..., half:], -x[..., :half]], dim=-1)")
-    assert edited != source, "the rotary line to edit was not found"
+    # The MLP's activation: one line of the model's math.
+    edited = source.replace("F.silu(self.gate_proj(x))", "F.gelu(self.gate_proj(x))")
+    assert edited != source, "the MLP line to edit was not found"
     model_py.write_text(edited)
     done = sh(["dvc", "repro"], project)
     # Every stage that runs the model's code: promote_finetuned and promote_aligned score chat models with it.
@@ -70,7 +69,7 @@ def test_a_code_change_retrains_and_never_publishes_the_old_weights(project):
     assert json.loads((project / "reports/train_run.json").read_text())["resumed_from"] is None
     after = weights(project)
     assert any(not (before[k] == after[k]).all() for k in before)
-    # The champion was judged under its own code (the snapshot logged with it), not under the edited rotary:
+    # The champion was judged under its own code (the snapshot logged with it), not under the edited MLP:
     # on the same text it scores exactly what it scored when it was registered.
     judged = decision(project)
     assert judged["previous_champion_version"] == 1

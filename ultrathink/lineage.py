@@ -48,9 +48,15 @@ def imported_names(name: str, path: Path):
             yield from (f"{module}.{alias.name}" for alias in node.names)
 
 
+def native_sources(path: Path) -> list[Path]:
+    """The compiled sources a module builds and runs: `csrc/<module>.*` beside it (cpu_kernels.py's C++)."""
+    return sorted(p for p in (path.parent / "csrc").glob(f"{path.stem}.*") if p.is_file())
+
+
 def module_closure(entry: str, root: Path = PROJECT_ROOT) -> list[Path]:
     """The source files a `python -m <entry>` process can execute from this project: the entry module and every
-    project module it imports, transitively (the packages' __init__ files included), as paths relative to root."""
+    project module it imports, transitively (the packages' __init__ files included), and the native sources those
+    modules build (`native_sources`), as paths relative to root."""
     found, pending = {}, [entry]
     while pending:
         name = pending.pop()
@@ -64,7 +70,8 @@ def module_closure(entry: str, root: Path = PROJECT_ROOT) -> list[Path]:
                 pending.extend(imported_names(module, path))
     if entry not in found:
         raise ModuleNotFoundError(f"{entry}: no such module under {root}")
-    return sorted(path.relative_to(root) for path in found.values())
+    paths = {native for path in found.values() for native in native_sources(path)} | set(found.values())
+    return sorted(path.relative_to(root) for path in paths)
 
 
 def code_hash(entry: str = TRAINING_CODE, root: Path = PROJECT_ROOT) -> str:

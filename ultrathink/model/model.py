@@ -28,7 +28,7 @@ from ultrathink.config import ModelConfig
 from ultrathink.config.schema import RopeScaling
 from ultrathink.device import resolve_device
 from ultrathink.hashing import file_sha256
-from ultrathink.model import fused_norm, hf
+from ultrathink.model import cpu_kernels, hf
 from ultrathink.model.kernels import AttentionKernel
 from ultrathink.model.routing import Records, RoutingModule, StepStats, numel, prefixed, variant_classes
 
@@ -51,9 +51,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 even under bf16 autocast: the mean of squares loses too much precision in bf16. torch's
         # rms_norm (input and weight of one dtype) is fused on GPUs and under torch.compile; on a CPU it is several
-        # elementwise passes, so eager CPU runs take our fused kernel (fused_norm.py) where it could be built.
-        if fused_norm.applies(x):
-            return fused_norm.rms_norm(x, self.weight, self.eps)
+        # elementwise passes, so eager CPU runs take our fused kernel (cpu_kernels.py: an edit to the line below
+        # changes those runs only inside cpu_kernels.torch_path()).
+        if cpu_kernels.applies(x):
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
@@ -96,7 +97,8 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the last dimension of x by the angles of cos/sin (broadcast against x), in x's dtype (as HF Llama
-    does: its tables are cast to the activations' dtype); bf16 here is a third faster than promoting to fp32."""
+    does: its tables are cast to the activations' dtype); bf16 here is a third faster than promoting to fp32. Eager
+    CPU runs of Attention.project take cpu_kernels.rotary instead (fused with the q/k norms, in fp32, rounded once)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
@@ -153,10 +155,17 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
+        if cpu_kernels.rotary_applies(q, cos):  # q/k norms and rotation in one kernel
+            return self.rotated(q, self.q_norm, cos, sin), self.rotated(k, self.k_norm, cos, sin), v
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # the same rotation for every head
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    @staticmethod
+    def rotated(x, norm: RMSNorm | None, cos, sin) -> torch.Tensor:
+        """What `apply_rotary(norm(x), ...)` computes, through the fused CPU kernel."""
+        return cpu_kernels.rotary(x, cos, sin, *(() if norm is None else (norm.weight, norm.eps)))
 
     def mix(self, q, k, v, mask=None, causal: bool = False) -> torch.Tensor:
         """Scaled dot-product attention over (B, heads, T, head_dim) queries, keys and values."""

@@ -1,10 +1,12 @@
-"""RMSNorm on a CPU through a fused kernel (csrc/rms_norm.cpp): one pass over each row forward and one backward.
+"""RMSNorm and rotary embedding on a CPU through fused kernels (csrc/cpu_kernels.cpp): one pass over each row
+forward and one backward, where torch 2.13 runs several elementwise operators.
 
-Why: torch 2.13 has no fused RMSNorm for CPUs. Its `rms_norm` there runs several elementwise operators (pow, mean,
-rsqrt, two products, casts), 3-7× slower forward+backward than this kernel and than ATen's fused LayerNorm. A
-Llama/Qwen3 block has four norms (two with q/k norms off) where GPT-2's has two LayerNorms, and at the issue's shape
-(d384 × 6) those norms were the whole of the eager step's gap to GPT-2's (benchmarks/README.md). GPUs keep torch's
-own fused kernel, and `torch.compile` torch's composite form, which Inductor fuses by itself.
+Why: torch has no fused RMSNorm for CPUs. Its `rms_norm` there runs pow, mean, rsqrt, two products and casts, 3-7×
+slower forward+backward than this kernel and than ATen's fused LayerNorm, and rotary embedding is a slice, a
+negation, a concatenation, two products and a sum. A Qwen3 block has four norms and rotates queries and keys where
+GPT-2's has two LayerNorms, and at the issue's shape (d384 × 6) those were most of the eager step's gap to GPT-2's
+(benchmarks/README.md). The q/k norms and the rotation that follows them are one kernel. GPUs keep torch's own
+kernels, and `torch.compile` torch's composite forms, which Inductor fuses by itself.
 
 The kernel is built with the machine's C++ compiler on first use (about 20 s on two cores) for this CPU
 (-march=native), and kept in the extensions cache (`$TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) under
@@ -35,10 +37,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "rms_norm.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd")
 DTYPES = (torch.float32, torch.bfloat16)
-_torch_path = contextvars.ContextVar("ultrathink_torch_norms", default=False)
+_torch_path = contextvars.ContextVar("ultrathink_torch_path", default=False)
 
 
 def cache_dir() -> Path:
@@ -57,7 +59,7 @@ def cpu_features() -> str:
 
 def library_name() -> str:
     identity = "\n".join([SOURCE.read_text(), " ".join(FLAGS), torch.__version__, sys.version, cpu_features()])
-    return "ultrathink_rms_norm_" + hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return "ultrathink_cpu_kernels_" + hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
 def _import(name: str, path: Path) -> ModuleType:
@@ -76,7 +78,7 @@ def build(name: str, target: Path) -> ModuleType:
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as private:
         module = load(name, [str(SOURCE)], extra_cflags=list(FLAGS), build_directory=private, verbose=False)
         os.replace(Path(module.__file__), target)
-    log.info("built the fused CPU RMSNorm in %.1f s: %s", time.perf_counter() - started, target)
+    log.info("built the fused CPU kernels in %.1f s: %s", time.perf_counter() - started, target)
     return module
 
 
@@ -89,15 +91,15 @@ def kernel() -> ModuleType | None:
         return _import(name, target) if target.exists() else build(name, target)
     except Exception as error:  # no compiler, another architecture, a torch without headers: torch's path still works
         first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
-        log.warning("RMSNorm stays on torch's slower CPU path: the fused kernel (%s) could not be built: %s",
-                    SOURCE.name, first)
+        log.warning("RMSNorm and rotary embedding stay on torch's slower CPU path: the fused kernels (%s) could "
+                    "not be built: %s", SOURCE.name, first)
         return None
 
 
 @contextlib.contextmanager
 def torch_path():
-    """Forwards inside take torch's rms_norm even where the kernel applies: the side-by-side baseline for
-    benchmarks and tests."""
+    """Forwards inside take torch's operators even where a kernel applies: the side-by-side baseline for benchmarks
+    and tests."""
     token = _torch_path.set(True)
     try:
         yield
@@ -106,7 +108,7 @@ def torch_path():
 
 
 def applies(x: torch.Tensor) -> bool:
-    """Whether `rms_norm` takes the fused kernel for x: eager, on a CPU, fp32 or bf16, and the kernel built."""
+    """Whether the kernels take x: eager, on a CPU, fp32 or bf16, and the kernels built."""
     return (x.device.type == "cpu" and x.dtype in DTYPES and not torch.compiler.is_compiling()
             and not _torch_path.get() and kernel() is not None)
 
@@ -115,14 +117,14 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x = x.contiguous()
-        y, rstd = kernel().forward(x, weight, eps)
+        y, rstd = kernel().rms_norm_forward(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
-        dx, dweight = kernel().backward(dy, x, weight, rstd)
+        dx, dweight = kernel().rms_norm_backward(dy, x, weight, rstd)
         return dx, dweight, None
 
 
@@ -133,7 +135,42 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _RMSNorm.apply(x, weight.float().contiguous(), eps)
 
 
+class _Rotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin, weight, eps):
+        x = x.contiguous()
+        y, rstd = kernel().rotary_forward(x, cos, sin, weight, eps)
+        ctx.save_for_backward(x, cos, sin, weight, rstd)
+        ctx.normed = weight is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, cos, sin, weight, rstd = ctx.saved_tensors
+        dx, dweight = kernel().rotary_backward(dy, x, cos, sin, weight, rstd)
+        return dx, None, None, dweight if ctx.normed else None, None
+
+
+def rotary_applies(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether `rotary` takes x (..., heads, head_dim) with tables cos (..., head_dim): `applies(x)`, and cos's
+    positions are x's last positions' dimensions (T for (B, T, heads, hd); B, T or N for per-token tables)."""
+    positions = cos.shape[:-1]
+    return (applies(x) and not cos.requires_grad and x.dim() >= len(positions) + 2
+            and x.shape[x.dim() - 2 - len(positions):-2] == positions and x.shape[-1] % 2 == 0)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None = None,
+           eps: float = 0.0) -> torch.Tensor:
+    """x (..., heads, head_dim) rotated by the angles of cos/sin (positions..., head_dim), after an RMSNorm with
+    `weight` if one is given: `apply_rotary(rms_norm(x))` computed in fp32 and rounded once to x's dtype, in one pass
+    each way. Only where `rotary_applies(x, cos)`."""
+    head_dim = x.shape[-1]
+    tables = (t.reshape(-1, head_dim).float().contiguous() for t in (cos, sin))
+    return _Rotary.apply(x, *tables, None if weight is None else weight.float().contiguous(), eps)
+
+
 def prebuild() -> None:
     """`make setup`: build ahead of the first run (a machine that cannot still trains, on torch's path)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print("fused CPU RMSNorm:", "ready" if kernel() is not None else "not available (torch's path is used)")
+    print("fused CPU kernels (RMSNorm, rotary):", "ready" if kernel() is not None
+          else "not available (torch's path is used)")

@@ -1,6 +1,6 @@
-"""The fused CPU RMSNorm kernel (ultrathink/model/fused_norm.py): the same values and gradients as torch's rms_norm,
-taken where it applies and not elsewhere, and a machine that cannot build it (or builds it twice at once, or is
-killed mid-build) still trains."""
+"""The fused CPU kernels (ultrathink/model/cpu_kernels.py): RMSNorm, and rotary embedding after an optional RMSNorm,
+with the values and gradients of torch's operators, taken where they apply and not elsewhere; a machine that cannot
+build them (or builds them twice at once, or is killed mid-build) still trains."""
 
 import os
 import signal
@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from ultrathink.config import ModelConfig
-from ultrathink.model import UltraThink, fused_norm
-from ultrathink.model.model import RMSNorm
+from ultrathink.model import UltraThink, cpu_kernels
+from ultrathink.model.model import RMSNorm, apply_rotary
 
-needs_kernel = pytest.mark.skipif(fused_norm.kernel() is None, reason="no C++ compiler here: the kernel cannot build")
+needs_kernel = pytest.mark.skipif(cpu_kernels.kernel() is None, reason="no C++ compiler here: the kernel cannot build")
 
 EPS = 1e-6
 
@@ -35,7 +35,7 @@ def values_and_grads(norm, x: torch.Tensor, weight: torch.Tensor, upstream: torc
 
 
 def fused(x, weight):
-    return fused_norm.rms_norm(x, weight, EPS)
+    return cpu_kernels.rms_norm(x, weight, EPS)
 
 
 def torch_rms_norm(x, weight):
@@ -91,35 +91,100 @@ def test_non_contiguous_input():
 
 
 @needs_kernel
-def test_the_model_takes_it_and_trains_alike(monkeypatch):
-    """An eager CPU model runs its norms through the kernel; its loss and every gradient match torch's path."""
-    assert fused_norm.applies(torch.ones(2, 8))
-    with fused_norm.torch_path():
-        assert not fused_norm.applies(torch.ones(2, 8))
-    assert not fused_norm.applies(torch.ones(2, 8, dtype=torch.float16))
-    cfg = ModelConfig(d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, seq_len=32, dropout=0.0)
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_the_model_takes_them_and_trains_alike(monkeypatch, qk_norm):
+    """An eager CPU model runs its norms and rotations through the kernels; its loss and every gradient match
+    torch's path."""
+    assert cpu_kernels.applies(torch.ones(2, 8))
+    with cpu_kernels.torch_path():
+        assert not cpu_kernels.applies(torch.ones(2, 8))
+    assert not cpu_kernels.applies(torch.ones(2, 8, dtype=torch.float16))
+    cfg = ModelConfig(d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, seq_len=32, dropout=0.0, qk_norm=qk_norm)
     torch.manual_seed(3)
     model = UltraThink(cfg, 97)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.3 * torch.randn_like(p))  # norm weights away from 1: a skipped weight would show
     tokens = torch.randint(0, 97, (3, 32))
-    calls = []
-    original = fused_norm.rms_norm
-
-    def counted(*args):
-        calls.append(1)
-        return original(*args)
-
-    monkeypatch.setattr(fused_norm, "rms_norm", counted)
+    calls = {"rms_norm": 0, "rotary": 0}
+    for name in calls:
+        monkeypatch.setattr(cpu_kernels, name, counted(calls, name, getattr(cpu_kernels, name)))
     loss = model(tokens, tokens).loss
-    assert len(calls) == 2 * 2 + 2 * 2 + 1  # per layer: two block norms, q and k norms; the final norm
+    # per layer: two block norms and the rotation of queries and keys (each after its norm); the final norm
+    assert calls == {"rms_norm": 2 * 2 + 1, "rotary": 2 * 2}
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    with fused_norm.torch_path():
+    with cpu_kernels.torch_path():
         torch_loss = model(tokens, tokens).loss
         torch_loss.backward()
     torch.testing.assert_close(loss, torch_loss, rtol=1e-6, atol=1e-6)
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def counted(calls: dict, name: str, function):
+    def call(*args, **kwargs):
+        calls[name] += 1
+        return function(*args, **kwargs)
+    return call
+
+
+def rotary_reference(x, cos, sin, weight):
+    """apply_rotary(RMSNorm(x)) in float64, tables broadcast over the heads."""
+    normed = x if weight is None else reference(x, weight)
+    return apply_rotary(normed.double(), cos.double().unsqueeze(-2), sin.double().unsqueeze(-2))
+
+
+def rotary_tables(positions: tuple, head_dim: int):
+    angles = torch.rand(*positions, head_dim // 2) * 6
+    angles = torch.cat([angles, angles], -1)  # rotate_half's pairing, as the model's tables are
+    return angles.cos(), angles.sin()
+
+
+@needs_kernel
+@pytest.mark.parametrize("normed", [True, False])
+@pytest.mark.parametrize("shape,positions", [((3, 11, 4, 32), (11,)),  # (B, T, heads, hd), one table for all
+                                             ((3, 11, 2, 64), (3, 11)),  # a table per sequence (per-token positions)
+                                             ((7, 3, 16), (7,))])  # a flat set of tokens (routed blocks)
+def test_rotary_matches_float64(shape, positions, normed):
+    torch.manual_seed(4)
+    x, upstream = torch.randn(shape) * 2, torch.randn(shape)
+    cos, sin = rotary_tables(positions, shape[-1])
+    weight = torch.rand(shape[-1]) + 0.5
+    assert cpu_kernels.rotary_applies(x, cos)
+
+    def fused_rotary(x, w):
+        return cpu_kernels.rotary(x, cos, sin, *((w, EPS) if normed else ()))
+
+    def float64(x, w):
+        return rotary_reference(x, cos, sin, w if normed else None)
+
+    y, dx, dw = values_and_grads(fused_rotary, x, weight, upstream)
+    y64, dx64, dw64 = values_and_grads(float64, x.double(), weight.double(), upstream.double())
+    torch.testing.assert_close(y.double(), y64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx.double(), dx64, rtol=1e-4, atol=1e-5)
+    if normed:
+        torch.testing.assert_close(dw.double(), dw64, rtol=1e-4, atol=1e-4)
+    else:
+        assert dw is None and dw64 is None
+
+
+@needs_kernel
+def test_rotary_bf16_and_where_it_does_not_apply():
+    torch.manual_seed(5)
+    x = (torch.randn(2, 9, 3, 64) * 2).bfloat16()
+    cos, sin = rotary_tables((9,), 64)
+    weight = torch.rand(64) + 0.5
+    y = cpu_kernels.rotary(x, cos, sin, weight, EPS)
+    y64 = rotary_reference(x.double(), cos, sin, weight.double())
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), y64, rtol=2 ** -7, atol=2e-2)  # one rounding of the result
+    assert not cpu_kernels.rotary_applies(x, cos[:5])  # the tables do not cover the positions
+    assert not cpu_kernels.rotary_applies(x, torch.randn(2, 64))
+    assert not cpu_kernels.rotary_applies(x, cos.clone().requires_grad_())
+    assert not cpu_kernels.rotary_applies(x[..., :63], cos[..., :63])  # an odd head size
 
 
 def test_compiled_norm_takes_torch_path_in_one_graph():
@@ -133,15 +198,15 @@ def test_compiled_norm_takes_torch_path_in_one_graph():
 
 
 def test_the_cache_name_follows_source_and_machine(monkeypatch):
-    name = fused_norm.library_name()
-    monkeypatch.setattr(fused_norm, "cpu_features", lambda: "flags: fpu sse2")  # another machine class
-    assert fused_norm.library_name() != name
+    name = cpu_kernels.library_name()
+    monkeypatch.setattr(cpu_kernels, "cpu_features", lambda: "flags: fpu sse2")  # another machine class
+    assert cpu_kernels.library_name() != name
 
 
 BUILD = ("import logging, sys; logging.basicConfig(level=logging.INFO, format='%(message)s');"
-         "import torch; from ultrathink.model import fused_norm;"
-         "from ultrathink.model.model import RMSNorm;"
-         "k = fused_norm.kernel(); y = RMSNorm(8, 1e-6)(torch.ones(2, 8));"
+         "import torch; from ultrathink.model import cpu_kernels;"
+         "from ultrathink.model.model import RMSNorm, apply_rotary;"
+         "k = cpu_kernels.kernel(); y = RMSNorm(8, 1e-6)(torch.ones(2, 8));"
          "print('kernel', k is not None, 'sum', round(y.sum().item(), 3))")
 
 
@@ -156,7 +221,7 @@ def test_no_compiler_falls_back_with_one_warning(tmp_path):
     out, _ = done.communicate(timeout=300)
     assert done.returncode == 0, out
     assert "kernel False sum 16.0" in out
-    assert out.count("RMSNorm stays on torch's slower CPU path") == 1 and "rms_norm.cpp" in out
+    assert out.count("stay on torch's slower CPU path") == 1 and "cpu_kernels.cpp" in out
     assert not list((tmp_path / "ultrathink").glob("*.so"))
 
 
@@ -171,9 +236,9 @@ def test_two_builds_at_once_and_one_killed(tmp_path):
     killed.wait(timeout=60)
     out, _ = survivor.communicate(timeout=600)
     assert survivor.returncode == 0, out
-    assert "kernel True sum 16.0" in out and "built the fused CPU RMSNorm" in out
+    assert "kernel True sum 16.0" in out and "built the fused CPU kernels" in out
     [library] = (tmp_path / "ultrathink").glob("*.so")
-    assert library.name == f"{fused_norm.library_name()}.so"
+    assert library.name == f"{cpu_kernels.library_name()}.so"
     again = start(env)
     out, _ = again.communicate(timeout=300)
     assert "kernel True sum 16.0" in out and "built" not in out

@@ -1,0 +1,290 @@
+// RMSNorm, and rotary embedding (after an optional RMSNorm: Qwen3's q/k norms), forward and backward on a CPU, one
+// pass over each row where torch 2.13 makes several elementwise passes (cpu_kernels.py says how much that costs).
+// Rows are split over torch's threads; within a row the loops are plain enough for the compiler to vectorise (-O3
+// -march=native -fopenmp-simd). Arithmetic in fp32 whatever the input dtype (fp32 or bf16), rounded once on output.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// bf16 <-> fp32 as bit operations, which vectorise (c10::BFloat16's conversions do not). Round to nearest even, as
+// c10 does; NaN stays NaN.
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) {
+  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+template <typename T> T from_float(float f);
+template <> float from_float<float>(float f) { return f; }
+template <> c10::BFloat16 from_float<c10::BFloat16>(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  uint16_t rounded = f != f ? 0x7FC0 : static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  return c10::BFloat16(rounded, c10::BFloat16::from_bits());
+}
+
+constexpr int64_t kRowsPerTask = 16;
+
+// y = x * rstd * w per row, rstd = 1 / sqrt(mean(x^2) + eps), kept for the backward.
+template <typename T>
+void forward_rows(const T* x, const float* w, T* y, float* rstd, int64_t rows, int64_t d, float eps) {
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(d);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * d;
+      T* yr = y + r * d;
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < d; ++i) {
+        row[i] = to_float(xr[i]);
+        squares += row[i] * row[i];
+      }
+      const float scale = 1.f / std::sqrt(squares / d + eps);
+      rstd[r] = scale;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) yr[i] = from_float<T>(row[i] * scale * w[i]);
+    }
+  });
+}
+
+// With x̂ = x * rstd and g = dy * w: dx = rstd * (g - x̂ * mean(g * x̂)), dw = Σ_rows dy * x̂ (each thread sums its own
+// rows into its own buffer; the buffers are added in thread order, so a given thread count gives the same bits).
+template <typename T>
+void backward_rows(const T* dy, const T* x, const float* w, const float* rstd, T* dx, float* dw, int64_t rows,
+                   int64_t d) {
+  const int threads = at::get_num_threads();
+  std::vector<float> partial(static_cast<size_t>(threads) * d, 0.f);
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    float* dw_part = partial.data() + static_cast<size_t>(at::get_thread_num()) * d;
+    std::vector<float> normed(d), g(d);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * d;
+      const T* dyr = dy + r * d;
+      const float scale = rstd[r];
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t i = 0; i < d; ++i) {
+        const float grad = to_float(dyr[i]);
+        normed[i] = to_float(xr[i]) * scale;
+        dw_part[i] += grad * normed[i];
+        g[i] = grad * w[i];
+        dot += g[i] * normed[i];
+      }
+      const float mean = dot / d;
+      T* dxr = dx + r * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) dxr[i] = from_float<T>(scale * (g[i] - normed[i] * mean));
+    }
+  });
+  for (int t = 0; t < threads; ++t)
+    for (int64_t i = 0; i < d; ++i) dw[i] += partial[static_cast<size_t>(t) * d + i];
+}
+
+// Rotary embedding of rows of one head (x: rows x d, row r at position (r / heads) % positions of cos/sin), after an
+// RMSNorm with weight w when w is given: n = x * rstd * w (else n = x), y = n * cos + rotate_half(n) * sin, where
+// rotate_half(n) = (-n[h:], n[:h]) for h = d / 2, as Hugging Face's Llama and Qwen apply it.
+// D: the head size when known at compile time (the loops then have no remainder to test), else 0.
+template <typename T, bool Norm, int64_t D>
+void rotary_forward_rows(const T* __restrict__ x, const float* __restrict__ cos, const float* __restrict__ sin,
+                         const float* __restrict__ w, T* __restrict__ y, float* __restrict__ rstd, int64_t rows,
+                         int64_t width, int64_t heads, int64_t positions, float eps) {
+  const int64_t d = D ? D : width, h = d / 2;
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(d);
+    float* __restrict__ n = buffer.data();
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t p = (r / heads) % positions;
+      const T* xr = x + r * d;
+      const float* c = cos + p * d;
+      const float* s = sin + p * d;
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < d; ++i) {
+        n[i] = to_float(xr[i]);
+        squares += n[i] * n[i];
+      }
+      if (Norm) {
+        const float scale = 1.f / std::sqrt(squares / d + eps);
+        rstd[r] = scale;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) n[i] *= scale * w[i];
+      }
+      T* yr = y + r * d;
+#pragma omp simd
+      for (int64_t i = 0; i < h; ++i) {
+        yr[i] = from_float<T>(n[i] * c[i] - n[i + h] * s[i]);
+        yr[i + h] = from_float<T>(n[i + h] * c[i + h] + n[i] * s[i + h]);
+      }
+    }
+  });
+}
+
+// The rotation's transpose takes dy to dn: dn[i] = dy[i] c[i] + dy[i+h] s[i+h], dn[i+h] = dy[i+h] c[i+h] - dy[i] s[i];
+// then, with a norm, dn goes through RMSNorm's backward as in backward_rows.
+template <typename T, bool Norm, int64_t D>
+void rotary_backward_rows(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ cos,
+                          const float* __restrict__ sin, const float* __restrict__ w, const float* __restrict__ rstd,
+                          T* __restrict__ dx, float* __restrict__ dw, int64_t rows, int64_t width, int64_t heads,
+                          int64_t positions) {
+  const int64_t d = D ? D : width, h = d / 2;
+  const int threads = at::get_num_threads();
+  std::vector<float> partial(Norm ? static_cast<size_t>(threads) * d : 0, 0.f);
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    float* __restrict__ dw_part = Norm ? partial.data() + static_cast<size_t>(at::get_thread_num()) * d : nullptr;
+    std::vector<float> buffers(2 * d);
+    float* __restrict__ dn = buffers.data();
+    float* __restrict__ normed = buffers.data() + d;
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t p = (r / heads) % positions;
+      const T* dyr = dy + r * d;
+      const float* c = cos + p * d;
+      const float* s = sin + p * d;
+#pragma omp simd
+      for (int64_t i = 0; i < h; ++i) {
+        const float lo = to_float(dyr[i]), hi = to_float(dyr[i + h]);
+        dn[i] = lo * c[i] + hi * s[i + h];
+        dn[i + h] = hi * c[i + h] - lo * s[i];
+      }
+      T* dxr = dx + r * d;
+      if (!Norm) {
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) dxr[i] = from_float<T>(dn[i]);
+        continue;
+      }
+      const T* xr = x + r * d;
+      const float scale = rstd[r];
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t i = 0; i < d; ++i) {
+        normed[i] = to_float(xr[i]) * scale;
+        dw_part[i] += dn[i] * normed[i];
+        dn[i] *= w[i];
+        dot += dn[i] * normed[i];
+      }
+      const float mean = dot / d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) dxr[i] = from_float<T>(scale * (dn[i] - normed[i] * mean));
+    }
+  });
+  for (int t = 0; Norm && t < threads; ++t)
+    for (int64_t i = 0; i < d; ++i) dw[i] += partial[static_cast<size_t>(t) * d + i];
+}
+
+void check_input(const torch::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+              "a CPU tensor in fp32 or bf16, got ", x.scalar_type(), " on ", x.device());
+}
+
+void check_weight(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kFloat && w.dim() == 1 && w.is_contiguous() &&
+                  w.size(0) == x.size(-1),
+              "a contiguous fp32 CPU weight of the last dimension's size");
+}
+
+std::vector<torch::Tensor> rms_norm_forward(torch::Tensor x, const torch::Tensor& w, double eps) {
+  check_input(x);
+  check_weight(x, w);
+  x = x.contiguous();
+  const int64_t d = x.size(-1), rows = x.numel() / d;
+  auto y = torch::empty_like(x);
+  auto rstd = torch::empty({rows}, x.options().dtype(torch::kFloat));
+  if (x.scalar_type() == torch::kBFloat16)
+    forward_rows(x.data_ptr<c10::BFloat16>(), w.data_ptr<float>(), y.data_ptr<c10::BFloat16>(),
+                 rstd.data_ptr<float>(), rows, d, static_cast<float>(eps));
+  else
+    forward_rows(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), rstd.data_ptr<float>(), rows, d,
+                 static_cast<float>(eps));
+  return {y, rstd};
+}
+
+std::vector<torch::Tensor> rms_norm_backward(torch::Tensor dy, const torch::Tensor& x, const torch::Tensor& w,
+                                             const torch::Tensor& rstd) {
+  dy = dy.to(x.scalar_type()).contiguous();
+  const int64_t d = x.size(-1), rows = x.numel() / d;
+  auto dx = torch::empty_like(x);
+  auto dw = torch::zeros({d}, w.options());
+  if (x.scalar_type() == torch::kBFloat16)
+    backward_rows(dy.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), w.data_ptr<float>(),
+                  rstd.data_ptr<float>(), dx.data_ptr<c10::BFloat16>(), dw.data_ptr<float>(), rows, d);
+  else
+    backward_rows(dy.data_ptr<float>(), x.data_ptr<float>(), w.data_ptr<float>(), rstd.data_ptr<float>(),
+                  dx.data_ptr<float>(), dw.data_ptr<float>(), rows, d);
+  return {dx, dw};
+}
+
+void check_tables(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(x.dim() >= 2 && x.size(-1) % 2 == 0, "rotary: (..., heads, head_dim) input of an even head_dim");
+  for (const auto& t : {cos, sin})
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.is_contiguous() && t.dim() == 2 &&
+                    t.size(1) == x.size(-1) && (x.numel() / x.size(-1) / x.size(-2)) % t.size(0) == 0,
+                "rotary: contiguous fp32 cos/sin tables (positions, head_dim) that tile the input's positions");
+}
+
+// Calls body(T{}, Norm, D) for x's dtype, whether there is a norm, and x's head size when it is a usual one.
+template <typename Body>
+void dispatch(const torch::Tensor& x, bool norm, Body body) {
+  auto with_width = [&](auto t, auto n) {
+    switch (x.size(-1)) {
+      case 64: return body(t, n, std::integral_constant<int64_t, 64>{});
+      case 128: return body(t, n, std::integral_constant<int64_t, 128>{});
+      default: return body(t, n, std::integral_constant<int64_t, 0>{});
+    }
+  };
+  auto with_norm = [&](auto t) { norm ? with_width(t, std::true_type{}) : with_width(t, std::false_type{}); };
+  x.scalar_type() == torch::kBFloat16 ? with_norm(c10::BFloat16{}) : with_norm(float{});
+}
+
+std::vector<torch::Tensor> rotary_forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                          const c10::optional<torch::Tensor>& w, double eps) {
+  const bool norm = w.has_value();
+  check_input(x);
+  if (norm) check_weight(x, *w);
+  check_tables(x, cos, sin);
+  x = x.contiguous();
+  const int64_t d = x.size(-1), heads = x.size(-2), rows = x.numel() / d;
+  auto y = torch::empty_like(x);
+  auto rstd = torch::empty({norm ? rows : 0}, x.options().dtype(torch::kFloat));
+  dispatch(x, norm, [&](auto t, auto n, auto width) {
+    using T = decltype(t);
+    rotary_forward_rows<T, decltype(n)::value, decltype(width)::value>(x.data_ptr<T>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                                               norm ? w->data_ptr<float>() : nullptr, y.data_ptr<T>(),
+                                               rstd.data_ptr<float>(), rows, d, heads, cos.size(0),
+                                               static_cast<float>(eps));
+  });
+  return {y, rstd};
+}
+
+std::vector<torch::Tensor> rotary_backward(torch::Tensor dy, const torch::Tensor& x, const torch::Tensor& cos,
+                                           const torch::Tensor& sin, const c10::optional<torch::Tensor>& w,
+                                           const torch::Tensor& rstd) {
+  const bool norm = w.has_value();
+  dy = dy.to(x.scalar_type()).contiguous();
+  const int64_t d = x.size(-1), heads = x.size(-2), rows = x.numel() / d;
+  auto dx = torch::empty_like(x);
+  auto dw = torch::zeros({norm ? d : 0}, x.options().dtype(torch::kFloat));
+  dispatch(x, norm, [&](auto t, auto n, auto width) {
+    using T = decltype(t);
+    rotary_backward_rows<T, decltype(n)::value, decltype(width)::value>(dy.data_ptr<T>(), x.data_ptr<T>(), cos.data_ptr<float>(),
+                                                sin.data_ptr<float>(), norm ? w->data_ptr<float>() : nullptr,
+                                                rstd.data_ptr<float>(), dx.data_ptr<T>(), dw.data_ptr<float>(),
+                                                rows, d, heads, cos.size(0));
+  });
+  return {dx, dw};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm_forward", &rms_norm_forward, "RMSNorm forward: (y, rstd)");
+  m.def("rms_norm_backward", &rms_norm_backward, "RMSNorm backward: (dx, dw)");
+  m.def("rotary_forward", &rotary_forward, "rotary embedding after an optional RMSNorm, forward: (y, rstd)");
+  m.def("rotary_backward", &rotary_backward, "rotary embedding after an optional RMSNorm, backward: (dx, dw)");
+}
