@@ -128,7 +128,7 @@ void rotary_forward_rows(const T* __restrict__ x, const float* __restrict__ cos,
 }
 
 // The rotation's transpose takes dy to dn: dn[i] = dy[i] c[i] + dy[i+h] s[i+h], dn[i+h] = dy[i+h] c[i+h] - dy[i] s[i];
-// then, with a norm, dn goes through RMSNorm's backward as in backward_rows.
+// then, with a norm, dn goes through RMSNorm's backward as backward_rows does.
 template <typename T, bool Norm, int64_t D>
 void rotary_backward_rows(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ cos,
                           const float* __restrict__ sin, const float* __restrict__ w, const float* __restrict__ rstd,
@@ -189,43 +189,10 @@ void check_weight(const torch::Tensor& x, const torch::Tensor& w) {
               "a contiguous fp32 CPU weight of the last dimension's size");
 }
 
-std::vector<torch::Tensor> rms_norm_forward(torch::Tensor x, const torch::Tensor& w, double eps) {
-  check_input(x);
-  check_weight(x, w);
-  x = x.contiguous();
-  const int64_t d = x.size(-1), rows = x.numel() / d;
-  auto y = torch::empty_like(x);
-  auto rstd = torch::empty({rows}, x.options().dtype(torch::kFloat));
-  if (x.scalar_type() == torch::kBFloat16)
-    forward_rows(x.data_ptr<c10::BFloat16>(), w.data_ptr<float>(), y.data_ptr<c10::BFloat16>(),
-                 rstd.data_ptr<float>(), rows, d, static_cast<float>(eps));
-  else
-    forward_rows(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), rstd.data_ptr<float>(), rows, d,
-                 static_cast<float>(eps));
-  return {y, rstd};
-}
-
-std::vector<torch::Tensor> rms_norm_backward(torch::Tensor dy, const torch::Tensor& x, const torch::Tensor& w,
-                                             const torch::Tensor& rstd) {
-  dy = dy.to(x.scalar_type()).contiguous();
-  const int64_t d = x.size(-1), rows = x.numel() / d;
-  auto dx = torch::empty_like(x);
-  auto dw = torch::zeros({d}, w.options());
-  if (x.scalar_type() == torch::kBFloat16)
-    backward_rows(dy.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), w.data_ptr<float>(),
-                  rstd.data_ptr<float>(), dx.data_ptr<c10::BFloat16>(), dw.data_ptr<float>(), rows, d);
-  else
-    backward_rows(dy.data_ptr<float>(), x.data_ptr<float>(), w.data_ptr<float>(), rstd.data_ptr<float>(),
-                  dx.data_ptr<float>(), dw.data_ptr<float>(), rows, d);
-  return {dx, dw};
-}
-
-void check_tables(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  TORCH_CHECK(x.dim() >= 2 && x.size(-1) % 2 == 0, "rotary: (..., heads, head_dim) input of an even head_dim");
-  for (const auto& t : {cos, sin})
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.is_contiguous() && t.dim() == 2 &&
-                    t.size(1) == x.size(-1) && (x.numel() / x.size(-1) / x.size(-2)) % t.size(0) == 0,
-                "rotary: contiguous fp32 cos/sin tables (positions, head_dim) that tile the input's positions");
+// Calls body(T{}) for x's dtype (fp32 or bf16).
+template <typename Body>
+void dispatch_dtype(const torch::Tensor& x, Body body) {
+  x.scalar_type() == torch::kBFloat16 ? body(c10::BFloat16{}) : body(float{});
 }
 
 // Calls body(T{}, Norm, D) for x's dtype, whether there is a norm, and x's head size when it is a usual one.
@@ -238,8 +205,44 @@ void dispatch(const torch::Tensor& x, bool norm, Body body) {
       default: return body(t, n, std::integral_constant<int64_t, 0>{});
     }
   };
-  auto with_norm = [&](auto t) { norm ? with_width(t, std::true_type{}) : with_width(t, std::false_type{}); };
-  x.scalar_type() == torch::kBFloat16 ? with_norm(c10::BFloat16{}) : with_norm(float{});
+  dispatch_dtype(x, [&](auto t) { norm ? with_width(t, std::true_type{}) : with_width(t, std::false_type{}); });
+}
+
+std::vector<torch::Tensor> rms_norm_forward(torch::Tensor x, const torch::Tensor& w, double eps) {
+  check_input(x);
+  check_weight(x, w);
+  x = x.contiguous();
+  const int64_t d = x.size(-1), rows = x.numel() / d;
+  auto y = torch::empty_like(x);
+  auto rstd = torch::empty({rows}, x.options().dtype(torch::kFloat));
+  dispatch_dtype(x, [&](auto t) {
+    using T = decltype(t);
+    forward_rows(x.data_ptr<T>(), w.data_ptr<float>(), y.data_ptr<T>(), rstd.data_ptr<float>(), rows, d,
+                 static_cast<float>(eps));
+  });
+  return {y, rstd};
+}
+
+std::vector<torch::Tensor> rms_norm_backward(torch::Tensor dy, const torch::Tensor& x, const torch::Tensor& w,
+                                             const torch::Tensor& rstd) {
+  dy = dy.to(x.scalar_type()).contiguous();
+  const int64_t d = x.size(-1), rows = x.numel() / d;
+  auto dx = torch::empty_like(x);
+  auto dw = torch::zeros({d}, w.options());
+  dispatch_dtype(x, [&](auto t) {
+    using T = decltype(t);
+    backward_rows(dy.data_ptr<T>(), x.data_ptr<T>(), w.data_ptr<float>(), rstd.data_ptr<float>(), dx.data_ptr<T>(),
+                  dw.data_ptr<float>(), rows, d);
+  });
+  return {dx, dw};
+}
+
+void check_tables(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(x.dim() >= 2 && x.size(-1) % 2 == 0, "rotary: (..., heads, head_dim) input of an even head_dim");
+  for (const auto& t : {cos, sin})
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.is_contiguous() && t.dim() == 2 &&
+                    t.size(1) == x.size(-1) && (x.numel() / x.size(-1) / x.size(-2)) % t.size(0) == 0,
+                "rotary: contiguous fp32 cos/sin tables (positions, head_dim) that tile the input's positions");
 }
 
 std::vector<torch::Tensor> rotary_forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -254,10 +257,9 @@ std::vector<torch::Tensor> rotary_forward(torch::Tensor x, const torch::Tensor& 
   auto rstd = torch::empty({norm ? rows : 0}, x.options().dtype(torch::kFloat));
   dispatch(x, norm, [&](auto t, auto n, auto width) {
     using T = decltype(t);
-    rotary_forward_rows<T, decltype(n)::value, decltype(width)::value>(x.data_ptr<T>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                                               norm ? w->data_ptr<float>() : nullptr, y.data_ptr<T>(),
-                                               rstd.data_ptr<float>(), rows, d, heads, cos.size(0),
-                                               static_cast<float>(eps));
+    rotary_forward_rows<T, decltype(n)::value, decltype(width)::value>(
+        x.data_ptr<T>(), cos.data_ptr<float>(), sin.data_ptr<float>(), norm ? w->data_ptr<float>() : nullptr,
+        y.data_ptr<T>(), rstd.data_ptr<float>(), rows, d, heads, cos.size(0), static_cast<float>(eps));
   });
   return {y, rstd};
 }
@@ -272,10 +274,10 @@ std::vector<torch::Tensor> rotary_backward(torch::Tensor dy, const torch::Tensor
   auto dw = torch::zeros({norm ? d : 0}, x.options().dtype(torch::kFloat));
   dispatch(x, norm, [&](auto t, auto n, auto width) {
     using T = decltype(t);
-    rotary_backward_rows<T, decltype(n)::value, decltype(width)::value>(dy.data_ptr<T>(), x.data_ptr<T>(), cos.data_ptr<float>(),
-                                                sin.data_ptr<float>(), norm ? w->data_ptr<float>() : nullptr,
-                                                rstd.data_ptr<float>(), dx.data_ptr<T>(), dw.data_ptr<float>(),
-                                                rows, d, heads, cos.size(0));
+    rotary_backward_rows<T, decltype(n)::value, decltype(width)::value>(
+        dy.data_ptr<T>(), x.data_ptr<T>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+        norm ? w->data_ptr<float>() : nullptr, rstd.data_ptr<float>(), dx.data_ptr<T>(), dw.data_ptr<float>(), rows,
+        d, heads, cos.size(0));
   });
   return {dx, dw};
 }
