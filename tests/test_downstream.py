@@ -159,20 +159,57 @@ def test_a_local_task_scores_the_same_through_the_stage_the_cli_and_the_register
     assert len(client_for(project).search_model_versions("name='ultrathink'")) == 1  # nothing was promoted
 
 
+# A model trained for the built-in task test. The session's tiny model (val loss ~4.3) barely learns the task: over
+# four seeds, with and without the fused CPU kernels, its accuracy spread 0.22-0.40 against the untrained 0.19, and
+# its right passages' log-likelihood margin reached t 0.0-2.0. This one (val loss 2.7-2.9, ~20 s on two cores)
+# measured t 3.4 and 5.2 on two seeds.
+LEARNS_THE_TASK = {"model": {"d_model": 64, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "seq_len": 64},
+                   "train": {"max_steps": 400, "batch_size": 8, "lr": 0.005}}
+
+
+def right_passage_margins(model: UltraThink, tokenizer_dir: Path, rows: list[dict]) -> list[float]:
+    """Per question of the built-in task, through the wrapper lm-eval calls: the log-likelihood of its words after
+    the right passage, less their mean log-likelihood after the other passages."""
+    tokenizer = load_tokenizer(tokenizer_dir)
+    lm = UltraThinkLM(model.eval(), tokenizer, downstream.frame(tokenizer))
+    margins = []
+    for row in rows:
+        lls = [ll for ll, _ in lm.score([lm.split(c, " " + row["continuation"]) for c in row["contexts"]])]
+        others = [ll for i, ll in enumerate(lls) if i != row["label"]]
+        margins.append(lls[row["label"]] - sum(others) / len(others))
+    return margins
+
+
+def t_statistic(values: list[float]) -> float:
+    mean = sum(values) / len(values)
+    sd = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+    return mean / (sd / len(values) ** 0.5)
+
+
 def test_a_trained_model_beats_an_untrained_one_on_the_builtin_task(trained_project, tmp_path, monkeypatch):
-    trained = json.loads((trained_project / "reports/metrics.json").read_text())["tasks"][BUILTIN_TASK]
-    model_dir = trained_project / "artifacts/model"
-    cfg = UltraThink.from_pretrained(model_dir)
+    project = copy_project(trained_project, tmp_path)
+    set_params(project, LEARNS_THE_TASK)
+    sh(["dvc", "repro", "train", "evaluate"], project)
+    trained = json.loads((project / "reports/metrics.json").read_text())["tasks"][BUILTIN_TASK]
+    model_dir = project / "artifacts/model"
+    model = UltraThink.from_pretrained(model_dir)
     torch.manual_seed(0)
-    UltraThink(cfg.cfg, cfg.vocab_size).save_pretrained(tmp_path / "untrained")
-    monkeypatch.chdir(trained_project)  # the task's data file is named from the project's root
+    UltraThink(model.cfg, model.vocab_size).save_pretrained(tmp_path / "untrained")
+    monkeypatch.chdir(project)  # the task's data file is named from the project's root
     tasks = downstream.task_set([BUILTIN_TASK], Path("reports/tasks"))
     results = downstream.evaluate_model(ModelFiles(tmp_path / "untrained", model_dir.parent / "tokenizer"), tasks,
                                         None, 8)
     untrained = downstream.compact_scores(downstream.task_scores(results))[BUILTIN_TASK]
     assert trained["n"] == untrained["n"] >= 40
     assert untrained["acc"] < 1 / CHOICES + 2 * untrained["acc_stderr"]  # no better than chance
-    assert trained["acc"] > untrained["acc"] + 0.1 and trained["acc"] > 1 / CHOICES
+    assert trained["acc"] > untrained["acc"]
+    # Per question, paired (63 questions are too few for accuracy alone to separate a small model from chance):
+    # the trained model puts the words after their own passage; the untrained one does not.
+    rows = [json.loads(line) for line in (project / "reports/tasks" / f"{BUILTIN_TASK}.jsonl").open()]
+    tokenizer_dir = model_dir.parent / "tokenizer"
+    assert t_statistic(right_passage_margins(model, tokenizer_dir, rows)) > 2.5
+    assert abs(t_statistic(right_passage_margins(UltraThink.from_pretrained(tmp_path / "untrained"), tokenizer_dir,
+                                                 rows))) < 2.5
 
 
 def preferred_choices(model_dir: Path, tokenizer_dir: Path, rows: list[dict]) -> list[int]:
