@@ -18,7 +18,8 @@ compiled.
 and compiled: what the Trainer's step costs beyond the model's. --model adds an UltraThink row with one model key
 changed (e.g. --model qk_norm=true --model dropout=0.1): what an architecture option costs per step, side by side.
 --torch-path adds an eager UltraThink row whose RMSNorms and rotary embeddings take torch's operators instead of
-the fused CPU kernels (ultrathink/model/cpu_kernels.py): what the kernels buy, side by side. --profile prints, after the timing, each row's top kernels over two steps: where the difference goes.
+the fused CPU kernels (ultrathink/model/cpu_kernels.py): what the kernels buy, side by side. --profile prints, after
+the timing, each row's top kernels over two steps: where the difference goes.
 """
 
 from __future__ import annotations

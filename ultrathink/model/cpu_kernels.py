@@ -141,14 +141,13 @@ class _Rotary(torch.autograd.Function):
         x = x.contiguous()
         y, rstd = kernel().rotary_forward(x, cos, sin, weight, eps)
         ctx.save_for_backward(x, cos, sin, weight, rstd)
-        ctx.normed = weight is not None
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, cos, sin, weight, rstd = ctx.saved_tensors
         dx, dweight = kernel().rotary_backward(dy, x, cos, sin, weight, rstd)
-        return dx, None, None, dweight if ctx.normed else None, None
+        return dx, None, None, None if weight is None else dweight, None
 
 
 def rotary_applies(x: torch.Tensor, cos: torch.Tensor) -> bool:

@@ -33,91 +33,47 @@ template <> c10::BFloat16 from_float<c10::BFloat16>(float f) {
 
 constexpr int64_t kRowsPerTask = 16;
 
-// y = x * rstd * w per row, rstd = 1 / sqrt(mean(x^2) + eps), kept for the backward.
-template <typename T>
-void forward_rows(const T* x, const float* w, T* y, float* rstd, int64_t rows, int64_t d, float eps) {
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(d);
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * d;
-      T* yr = y + r * d;
-      float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < d; ++i) {
-        row[i] = to_float(xr[i]);
-        squares += row[i] * row[i];
-      }
-      const float scale = 1.f / std::sqrt(squares / d + eps);
-      rstd[r] = scale;
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) yr[i] = from_float<T>(row[i] * scale * w[i]);
-    }
-  });
-}
-
-// With x̂ = x * rstd and g = dy * w: dx = rstd * (g - x̂ * mean(g * x̂)), dw = Σ_rows dy * x̂ (each thread sums its own
-// rows into its own buffer; the buffers are added in thread order, so a given thread count gives the same bits).
-template <typename T>
-void backward_rows(const T* dy, const T* x, const float* w, const float* rstd, T* dx, float* dw, int64_t rows,
-                   int64_t d) {
-  const int threads = at::get_num_threads();
-  std::vector<float> partial(static_cast<size_t>(threads) * d, 0.f);
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    float* dw_part = partial.data() + static_cast<size_t>(at::get_thread_num()) * d;
-    std::vector<float> normed(d), g(d);
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * d;
-      const T* dyr = dy + r * d;
-      const float scale = rstd[r];
-      float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t i = 0; i < d; ++i) {
-        const float grad = to_float(dyr[i]);
-        normed[i] = to_float(xr[i]) * scale;
-        dw_part[i] += grad * normed[i];
-        g[i] = grad * w[i];
-        dot += g[i] * normed[i];
-      }
-      const float mean = dot / d;
-      T* dxr = dx + r * d;
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) dxr[i] = from_float<T>(scale * (g[i] - normed[i] * mean));
-    }
-  });
-  for (int t = 0; t < threads; ++t)
-    for (int64_t i = 0; i < d; ++i) dw[i] += partial[static_cast<size_t>(t) * d + i];
-}
-
-// Rotary embedding of rows of one head (x: rows x d, row r at position (r / heads) % positions of cos/sin), after an
-// RMSNorm with weight w when w is given: n = x * rstd * w (else n = x), y = n * cos + rotate_half(n) * sin, where
-// rotate_half(n) = (-n[h:], n[:h]) for h = d / 2, as Hugging Face's Llama and Qwen apply it.
-// D: the head size when known at compile time (the loops then have no remainder to test), else 0.
-template <typename T, bool Norm, int64_t D>
-void rotary_forward_rows(const T* __restrict__ x, const float* __restrict__ cos, const float* __restrict__ sin,
-                         const float* __restrict__ w, T* __restrict__ y, float* __restrict__ rstd, int64_t rows,
-                         int64_t width, int64_t heads, int64_t positions, float eps) {
+// Rows of d values (x: rows x d), each normalised when Norm, then rotated when Rotate:
+//   n = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps) (kept for the backward), else n = x;
+//   y = n * cos + rotate_half(n) * sin, where rotate_half(n) = (-n[h:], n[:h]) for h = d / 2 (as Hugging Face's
+//   Llama and Qwen apply it) and row r is at position (r / heads) % positions of the cos/sin tables; else y = n.
+// RMSNorm is <Norm, !Rotate>; Qwen3's q/k norms and rotary <Norm, Rotate>; Llama's rotary <!Norm, Rotate>.
+// D: the row size when known at compile time (the loops then have no remainder to test), else 0.
+template <typename T, bool Norm, bool Rotate, int64_t D>
+void forward_rows(const T* __restrict__ x, const float* __restrict__ cos, const float* __restrict__ sin,
+                  const float* __restrict__ w, T* __restrict__ y, float* __restrict__ rstd, int64_t rows,
+                  int64_t width, int64_t heads, int64_t positions, float eps) {
+  static_assert(Norm || Rotate, "nothing to compute");
   const int64_t d = D ? D : width, h = d / 2;
   at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(d);
     float* __restrict__ n = buffer.data();
     for (int64_t r = begin; r < end; ++r) {
-      const int64_t p = (r / heads) % positions;
       const T* xr = x + r * d;
-      const float* c = cos + p * d;
-      const float* s = sin + p * d;
+      T* yr = y + r * d;
       float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
       for (int64_t i = 0; i < d; ++i) {
         n[i] = to_float(xr[i]);
         squares += n[i] * n[i];
       }
+      float scale = 1.f;
       if (Norm) {
-        const float scale = 1.f / std::sqrt(squares / d + eps);
+        scale = 1.f / std::sqrt(squares / d + eps);
         rstd[r] = scale;
+      }
+      if (!Rotate) {  // the norm straight to the output
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) yr[i] = from_float<T>(Norm ? n[i] * scale * w[i] : n[i]);
+        continue;
+      }
+      if (Norm) {
 #pragma omp simd
         for (int64_t i = 0; i < d; ++i) n[i] *= scale * w[i];
       }
-      T* yr = y + r * d;
+      const int64_t p = (r / heads) % positions;
+      const float* c = cos + p * d;
+      const float* s = sin + p * d;
 #pragma omp simd
       for (int64_t i = 0; i < h; ++i) {
         yr[i] = from_float<T>(n[i] * c[i] - n[i + h] * s[i]);
@@ -127,13 +83,16 @@ void rotary_forward_rows(const T* __restrict__ x, const float* __restrict__ cos,
   });
 }
 
-// The rotation's transpose takes dy to dn: dn[i] = dy[i] c[i] + dy[i+h] s[i+h], dn[i+h] = dy[i+h] c[i+h] - dy[i] s[i];
-// then, with a norm, dn goes through RMSNorm's backward as backward_rows does.
-template <typename T, bool Norm, int64_t D>
-void rotary_backward_rows(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ cos,
-                          const float* __restrict__ sin, const float* __restrict__ w, const float* __restrict__ rstd,
-                          T* __restrict__ dx, float* __restrict__ dw, int64_t rows, int64_t width, int64_t heads,
-                          int64_t positions) {
+// The rotation's transpose takes dy to dn: dn[i] = dy[i] c[i] + dy[i+h] s[i+h], dn[i+h] = dy[i+h] c[i+h] - dy[i] s[i]
+// (without a rotation dn = dy, read as the norm's loop goes). Then the norm's: with x̂ = x * rstd and g = dn * w,
+// dx = rstd * (g - x̂ * mean(g * x̂)) and dw = Σ_rows dn * x̂ (each thread sums its own rows into its own buffer; the
+// buffers are added in thread order, so a given thread count gives the same bits). Without a norm dx = dn.
+template <typename T, bool Norm, bool Rotate, int64_t D>
+void backward_rows(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ cos,
+                   const float* __restrict__ sin, const float* __restrict__ w, const float* __restrict__ rstd,
+                   T* __restrict__ dx, float* __restrict__ dw, int64_t rows, int64_t width, int64_t heads,
+                   int64_t positions) {
+  static_assert(Norm || Rotate, "nothing to compute");
   const int64_t d = D ? D : width, h = d / 2;
   const int threads = at::get_num_threads();
   std::vector<float> partial(Norm ? static_cast<size_t>(threads) * d : 0, 0.f);
@@ -143,15 +102,17 @@ void rotary_backward_rows(const T* __restrict__ dy, const T* __restrict__ x, con
     float* __restrict__ dn = buffers.data();
     float* __restrict__ normed = buffers.data() + d;
     for (int64_t r = begin; r < end; ++r) {
-      const int64_t p = (r / heads) % positions;
       const T* dyr = dy + r * d;
-      const float* c = cos + p * d;
-      const float* s = sin + p * d;
+      if (Rotate) {
+        const int64_t p = (r / heads) % positions;
+        const float* c = cos + p * d;
+        const float* s = sin + p * d;
 #pragma omp simd
-      for (int64_t i = 0; i < h; ++i) {
-        const float lo = to_float(dyr[i]), hi = to_float(dyr[i + h]);
-        dn[i] = lo * c[i] + hi * s[i + h];
-        dn[i + h] = hi * c[i + h] - lo * s[i];
+        for (int64_t i = 0; i < h; ++i) {
+          const float lo = to_float(dyr[i]), hi = to_float(dyr[i + h]);
+          dn[i] = lo * c[i] + hi * s[i + h];
+          dn[i + h] = hi * c[i + h] - lo * s[i];
+        }
       }
       T* dxr = dx + r * d;
       if (!Norm) {
@@ -164,9 +125,10 @@ void rotary_backward_rows(const T* __restrict__ dy, const T* __restrict__ x, con
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
       for (int64_t i = 0; i < d; ++i) {
+        const float grad = Rotate ? dn[i] : to_float(dyr[i]);
         normed[i] = to_float(xr[i]) * scale;
-        dw_part[i] += dn[i] * normed[i];
-        dn[i] *= w[i];
+        dw_part[i] += grad * normed[i];
+        dn[i] = grad * w[i];
         dot += dn[i] * normed[i];
       }
       const float mean = dot / d;
@@ -189,14 +151,9 @@ void check_weight(const torch::Tensor& x, const torch::Tensor& w) {
               "a contiguous fp32 CPU weight of the last dimension's size");
 }
 
-// Calls body(T{}) for x's dtype (fp32 or bf16).
-template <typename Body>
-void dispatch_dtype(const torch::Tensor& x, Body body) {
-  x.scalar_type() == torch::kBFloat16 ? body(c10::BFloat16{}) : body(float{});
-}
-
-// Calls body(T{}, Norm, D) for x's dtype, whether there is a norm, and x's head size when it is a usual one.
-template <typename Body>
+// Calls body(T{}, Norm, D) for x's dtype, whether there is a norm (always, without a rotation), and x's row size
+// when it is a usual one.
+template <bool Rotate, typename Body>
 void dispatch(const torch::Tensor& x, bool norm, Body body) {
   auto with_width = [&](auto t, auto n) {
     switch (x.size(-1)) {
@@ -205,7 +162,11 @@ void dispatch(const torch::Tensor& x, bool norm, Body body) {
       default: return body(t, n, std::integral_constant<int64_t, 0>{});
     }
   };
-  dispatch_dtype(x, [&](auto t) { norm ? with_width(t, std::true_type{}) : with_width(t, std::false_type{}); });
+  auto with_norm = [&](auto t) {
+    if constexpr (Rotate) norm ? with_width(t, std::true_type{}) : with_width(t, std::false_type{});
+    else with_width(t, std::true_type{});
+  };
+  x.scalar_type() == torch::kBFloat16 ? with_norm(c10::BFloat16{}) : with_norm(float{});
 }
 
 std::vector<torch::Tensor> rms_norm_forward(torch::Tensor x, const torch::Tensor& w, double eps) {
@@ -215,10 +176,11 @@ std::vector<torch::Tensor> rms_norm_forward(torch::Tensor x, const torch::Tensor
   const int64_t d = x.size(-1), rows = x.numel() / d;
   auto y = torch::empty_like(x);
   auto rstd = torch::empty({rows}, x.options().dtype(torch::kFloat));
-  dispatch_dtype(x, [&](auto t) {
+  dispatch<false>(x, true, [&](auto t, auto n, auto width) {
     using T = decltype(t);
-    forward_rows(x.data_ptr<T>(), w.data_ptr<float>(), y.data_ptr<T>(), rstd.data_ptr<float>(), rows, d,
-                 static_cast<float>(eps));
+    forward_rows<T, decltype(n)::value, false, decltype(width)::value>(
+        x.data_ptr<T>(), nullptr, nullptr, w.data_ptr<float>(), y.data_ptr<T>(), rstd.data_ptr<float>(), rows, d, 1,
+        1, static_cast<float>(eps));
   });
   return {y, rstd};
 }
@@ -229,10 +191,11 @@ std::vector<torch::Tensor> rms_norm_backward(torch::Tensor dy, const torch::Tens
   const int64_t d = x.size(-1), rows = x.numel() / d;
   auto dx = torch::empty_like(x);
   auto dw = torch::zeros({d}, w.options());
-  dispatch_dtype(x, [&](auto t) {
+  dispatch<false>(x, true, [&](auto t, auto n, auto width) {
     using T = decltype(t);
-    backward_rows(dy.data_ptr<T>(), x.data_ptr<T>(), w.data_ptr<float>(), rstd.data_ptr<float>(), dx.data_ptr<T>(),
-                  dw.data_ptr<float>(), rows, d);
+    backward_rows<T, decltype(n)::value, false, decltype(width)::value>(
+        dy.data_ptr<T>(), x.data_ptr<T>(), nullptr, nullptr, w.data_ptr<float>(), rstd.data_ptr<float>(),
+        dx.data_ptr<T>(), dw.data_ptr<float>(), rows, d, 1, 1);
   });
   return {dx, dw};
 }
@@ -255,9 +218,9 @@ std::vector<torch::Tensor> rotary_forward(torch::Tensor x, const torch::Tensor& 
   const int64_t d = x.size(-1), heads = x.size(-2), rows = x.numel() / d;
   auto y = torch::empty_like(x);
   auto rstd = torch::empty({norm ? rows : 0}, x.options().dtype(torch::kFloat));
-  dispatch(x, norm, [&](auto t, auto n, auto width) {
+  dispatch<true>(x, norm, [&](auto t, auto n, auto width) {
     using T = decltype(t);
-    rotary_forward_rows<T, decltype(n)::value, decltype(width)::value>(
+    forward_rows<T, decltype(n)::value, true, decltype(width)::value>(
         x.data_ptr<T>(), cos.data_ptr<float>(), sin.data_ptr<float>(), norm ? w->data_ptr<float>() : nullptr,
         y.data_ptr<T>(), rstd.data_ptr<float>(), rows, d, heads, cos.size(0), static_cast<float>(eps));
   });
@@ -272,9 +235,9 @@ std::vector<torch::Tensor> rotary_backward(torch::Tensor dy, const torch::Tensor
   const int64_t d = x.size(-1), heads = x.size(-2), rows = x.numel() / d;
   auto dx = torch::empty_like(x);
   auto dw = torch::zeros({norm ? d : 0}, x.options().dtype(torch::kFloat));
-  dispatch(x, norm, [&](auto t, auto n, auto width) {
+  dispatch<true>(x, norm, [&](auto t, auto n, auto width) {
     using T = decltype(t);
-    rotary_backward_rows<T, decltype(n)::value, decltype(width)::value>(
+    backward_rows<T, decltype(n)::value, true, decltype(width)::value>(
         dy.data_ptr<T>(), x.data_ptr<T>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
         norm ? w->data_ptr<float>() : nullptr, rstd.data_ptr<float>(), dx.data_ptr<T>(), dw.data_ptr<float>(), rows,
         d, heads, cos.size(0));
