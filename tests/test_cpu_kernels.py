@@ -3,10 +3,12 @@ with the values and gradients of torch's operators, taken where they apply and n
 build them (or builds them twice at once, or is killed mid-build) still trains."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -228,8 +230,15 @@ def test_no_compiler_falls_back_with_one_warning(tmp_path):
 @needs_kernel
 def test_two_builds_at_once_and_one_killed(tmp_path):
     """Two processes find an empty cache and build together; one is killed mid-build. The other finishes, the cache
-    holds one complete library, and the next process loads it without building."""
-    env = {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    holds one complete library, and the next process loads it without building. Their PATH has a C++ compiler but
+    no ninja, as for a user who runs .venv/bin/ultrathink on a machine without a system ninja: the build finds the
+    one installed beside the interpreter."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in ("c++", "as", "ld"):  # the compiler driver and what it runs
+        (tools / tool).symlink_to(shutil.which(tool))
+    assert shutil.which("ninja", path=str(tools)) is None and shutil.which("ninja", path=Path(sys.executable).parent)
+    env = {"TORCH_EXTENSIONS_DIR": str(tmp_path), "PATH": str(tools)}
     killed, survivor = start(env), start(env)
     time.sleep(3)
     os.killpg(killed.pid, signal.SIGKILL)

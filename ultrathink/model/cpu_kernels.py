@@ -75,11 +75,27 @@ def build(name: str, target: Path) -> ModuleType:
 
     target.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as private:
+    with interpreter_tools_on_path(), tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as private:
         module = load(name, [str(SOURCE)], extra_cflags=list(FLAGS), build_directory=private, verbose=False)
         os.replace(Path(module.__file__), target)
     log.info("built the fused CPU kernels in %.1f s: %s", time.perf_counter() - started, target)
     return module
+
+
+@contextlib.contextmanager
+def interpreter_tools_on_path():
+    """torch builds with ninja, which pip installs beside the interpreter (.venv/bin). A run of .venv/bin/ultrathink
+    or .venv/bin/python without that directory on PATH, on a machine without a system ninja, finds it there: the
+    directory goes at the end of PATH for the build, so the user's own tools still come first."""
+    before = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join(filter(None, [before, str(Path(sys.executable).parent)]))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
 
 
 @functools.cache
