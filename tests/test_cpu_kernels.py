@@ -81,6 +81,29 @@ def test_bf16_rounds_as_torch_does():
 
 
 @needs_kernel
+def test_fp32_in_bf16_out_rounds_once():
+    """An fp32 input normalised into a bf16 output (a norm feeding matmuls under bf16 autocast): within one bf16
+    rounding of float64, the gradient (bf16 in, fp32 out) as close to float64 as torch's path gets."""
+    torch.manual_seed(4)
+    x = torch.randn(4, 33, 384) * 3 + 0.5
+    weight = torch.rand(384) + 0.5
+    upstream = torch.randn(x.shape).bfloat16()
+    to_bf16 = lambda x, w: cpu_kernels.rms_norm(x, w, EPS, torch.bfloat16)  # noqa: E731
+    torch_to_bf16 = lambda x, w: torch_rms_norm(x, w).bfloat16()  # noqa: E731
+    y, dx, dw = values_and_grads(to_bf16, x, weight, upstream)
+    y_torch, dx_torch, _ = values_and_grads(torch_to_bf16, x, weight, upstream)
+    y64, dx64, dw64 = values_and_grads(reference, x.double(), weight.double(), upstream.double())
+    assert y.dtype == torch.bfloat16 and dx.dtype == dw.dtype == torch.float32
+    torch.testing.assert_close(y.double(), y64, rtol=2 ** -8, atol=1e-6)
+    assert (y != y_torch).float().mean() < 0.01  # the same rounding of nearly the same fp32 value
+    torch.testing.assert_close(dx.double(), dx64, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dw.double(), dw64, rtol=1e-4, atol=1e-4)
+    assert (dx.double() - dx64).abs().max() <= 4 * (dx_torch.double() - dx64).abs().max() + 1e-6
+    with pytest.raises(RuntimeError, match="in bf16 from fp32"):  # nothing else is compiled
+        cpu_kernels.kernel().rms_norm_forward(x.bfloat16(), weight, EPS, torch.float32)
+
+
+@needs_kernel
 def test_non_contiguous_input():
     torch.manual_seed(2)
     x = torch.randn(6, 64, 8).transpose(1, 2)  # last dim strided

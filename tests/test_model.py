@@ -1,3 +1,4 @@
+import contextlib
 import json
 
 import pytest
@@ -5,7 +6,8 @@ import torch
 from transformers import LlamaForCausalLM, Qwen3ForCausalLM
 
 from ultrathink.config import ModelConfig
-from ultrathink.model import UltraThink
+from ultrathink.model import UltraThink, cpu_kernels
+from ultrathink.model import model as model_module
 from ultrathink.model.export import to_hf
 from ultrathink.model.model import apply_rotary
 from ultrathink.model.generate import generate, sample_next
@@ -26,6 +28,46 @@ def test_logits_match_hugging_face_llama():
     assert isinstance(hf, LlamaForCausalLM) and hf.config.tie_word_embeddings
     with torch.no_grad():
         assert torch.allclose(model(x)[0], hf(x).logits, atol=1e-5)
+
+
+def autocast_step(model, x):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x, x)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return out.logits, grads
+
+
+@pytest.mark.parametrize("torch_path", [False, True])
+def test_norms_feeding_matmuls_return_the_autocast_dtype_and_change_no_value(monkeypatch, torch_path):
+    """Under bf16 autocast the norms before the attention, the dense MLP and the output projection return bf16,
+    which those matmuls would have cast them to: the logits are the same bits as with fp32 norm outputs, and the
+    gradients (now added up in bf16 where a norm feeds several matmuls) stay close. A MoE MLP adds its experts'
+    outputs in its input's dtype, so its norm keeps the residual's fp32. On the fused kernels and on torch's path."""
+    torch.manual_seed(5)
+    cfg = ModelConfig(**{**CFG.model_dump(), "qk_norm": True, "dropout": 0.0, "moe": {"enabled": True, "every": 2}})
+    model = UltraThink(cfg, VOCAB).train()
+    x = torch.randint(0, VOCAB, (2, 48))
+    seen = {}  # the dtype each module is given (the final norm: the dtype it returns, for the output matmul)
+    watched = ["blocks.0.attn.q_proj", "blocks.0.mlp", "blocks.0.mlp.gate_proj", "blocks.1.attn.q_proj",
+               "blocks.1.mlp", "norm"]
+    hooks = [model.get_submodule(name).register_forward_hook(
+        lambda m, inp, out, name=name: seen.__setitem__(name, (out if name == "norm" else inp[0]).dtype))
+        for name in watched]
+    with cpu_kernels.torch_path() if torch_path else contextlib.nullcontext():
+        logits, grads = autocast_step(model, x)
+        for hook in hooks:
+            hook.remove()
+        with monkeypatch.context() as patched:
+            patched.setattr(model_module, "matmul_dtype", lambda x: x.dtype)  # every norm in the residual's fp32
+            fp32_logits, fp32_grads = autocast_step(model, x)
+    assert seen == {"blocks.0.attn.q_proj": torch.bfloat16, "blocks.0.mlp": torch.bfloat16,
+                    "blocks.0.mlp.gate_proj": torch.bfloat16, "blocks.1.attn.q_proj": torch.bfloat16,
+                    "blocks.1.mlp": torch.float32, "norm": torch.bfloat16}  # block 1's MLP is the MoE (every: 2)
+    assert torch.equal(logits, fp32_logits)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, fp32_grads[name], rtol=0.05, atol=2e-3, msg=name)
 
 
 def test_qk_norm_normalises_each_head_and_matches_qwen3():

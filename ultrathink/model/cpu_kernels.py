@@ -131,24 +131,30 @@ def applies(x: torch.Tensor) -> bool:
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
         x = x.contiguous()
-        y, rstd = kernel().rms_norm_forward(x, weight, eps)
+        y, rstd = kernel().rms_norm_forward(x, weight, eps, dtype)
         ctx.save_for_backward(x, weight, rstd)
+        ctx.dtype = dtype
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
-        dx, dweight = kernel().rms_norm_backward(dy, x, weight, rstd)
-        return dx, dweight, None
+        dx, dweight = kernel().rms_norm_backward(dy, x, weight, rstd, ctx.dtype)
+        return dx, dweight, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x², last dim) + eps) * weight, computed in fp32, in x's dtype: what
-    `F.rms_norm(x.float(), ..., weight.float(), eps).to(x.dtype)` computes, in one pass each way. Only where
-    `applies(x)`."""
-    return _RMSNorm.apply(x, weight.float().contiguous(), eps)
+def rms_norm_applies(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether `rms_norm` takes x with an output in `dtype`: `applies(x)`, and dtype x's own or bf16."""
+    return applies(x) and dtype in (x.dtype, torch.bfloat16)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x / sqrt(mean(x², last dim) + eps) * weight, computed in fp32, rounded once to `dtype` (x's unless given):
+    what `F.rms_norm(x.float(), ..., weight.float(), eps).to(dtype)` computes, in one pass each way. Only where
+    `rms_norm_applies(x, dtype)`."""
+    return _RMSNorm.apply(x, weight.float().contiguous(), eps, dtype or x.dtype)
 
 
 class _Rotary(torch.autograd.Function):

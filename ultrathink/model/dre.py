@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ultrathink.config import DREConfig
+from ultrathink.model.model import matmul_dtype
 from ultrathink.model.routing import Records, Routing, RoutingModule, implements, Stats, block_index, count, numel, prefixed
 
 PATHS = {"fast": 0.25, "standard": 0.5, "deep": 0.75}
@@ -129,7 +130,7 @@ class RoutedBlock(RoutingModule):
         # new kernel setup on a CPU (oneDNN; about 2× the matmul itself), and kept counts change every step.
         padding = xk.new_zeros(-n % ROWS_MULTIPLE, d)
         at = tokens % T  # each kept token's position in its row
-        q, k, v = attn.project(block.attn_norm(torch.cat([xk, padding])),
+        q, k, v = attn.project(block.attn_norm(torch.cat([xk, padding]), matmul_dtype(xk)),
                                torch.cat([cos[at], cos[:1].expand(len(padding), -1)]),
                                torch.cat([sin[at], sin[:1].expand(len(padding), -1)]))
         qkv, mixed = torch.cat([q, k, v], dim=1), []  # (rows, heads + 2·kv_heads, head_dim): one gather per group

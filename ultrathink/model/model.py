@@ -48,14 +48,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x normalised, in `dtype` (x's unless given): a caller whose consumers are matmuls under autocast asks
+        for theirs (matmul_dtype), so the result is rounded once here rather than cast by each matmul it feeds."""
         # Normalise in fp32 even under bf16 autocast: the mean of squares loses too much precision in bf16. torch's
         # rms_norm (input and weight of one dtype) is fused on GPUs and under torch.compile; on a CPU it is several
         # elementwise passes, so eager CPU runs take our fused kernel (cpu_kernels.py: an edit to the line below
         # changes those runs only inside cpu_kernels.torch_path()).
-        if cpu_kernels.applies(x):
-            return cpu_kernels.rms_norm(x, self.weight, self.eps)
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        dtype = dtype or x.dtype
+        if cpu_kernels.rms_norm_applies(x, dtype):
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, dtype)
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(dtype)
+
+
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul computes in on x's device: autocast's where it is on, else x's. A norm whose output only
+    feeds matmuls is asked for it: under bf16 autocast on a CPU, the three projections of the attention and the two
+    of the MLP each cast an fp32 norm's output (and each cast their gradient back to add them up in fp32): 1.1% of
+    the eager step at d384 × 6 (benchmarks/README.md). The gradients the matmuls return then add up in bf16."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
@@ -202,11 +214,12 @@ class Block(nn.Module):
 
     def attend(self, x, cos, sin, cache: KVCache | None = None, mask=None) -> torch.Tensor:
         """The attention half's contribution to the residual stream."""
-        return self.drop(self.attn(self.attn_norm(x), cos, sin, cache, self.layer, mask))
+        return self.drop(self.attn(self.attn_norm(x, matmul_dtype(x)), cos, sin, cache, self.layer, mask))
 
     def feed(self, x: torch.Tensor) -> tuple[torch.Tensor, Records]:
         """The MLP half's contribution to the residual stream, and the records of a routing MLP (MoE)."""
-        out = self.mlp(self.mlp_norm(x))
+        # A routing MLP (MoE) adds its experts' outputs up in its input's dtype: it keeps the residual's.
+        out = self.mlp(self.mlp_norm(x, matmul_dtype(x) if isinstance(self.mlp, SwiGLU) else None))
         out, records = out if isinstance(self.mlp, RoutingModule) else (out, {})
         return self.drop(out), prefixed("mlp", records)
 
@@ -271,7 +284,7 @@ class UltraThink(nn.Module):
             records.update(prefixed(f"blocks.{i}", block_records))
         if cache is not None:
             cache.length += idx.shape[1]
-        logits = F.linear(self.norm(x), self.output_weight())
+        logits = F.linear(self.norm(x, matmul_dtype(x)), self.output_weight())
         loss = aux = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))

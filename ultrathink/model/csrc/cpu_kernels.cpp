@@ -38,10 +38,11 @@ constexpr int64_t kRowsPerTask = 16;
 //   y = n * cos + rotate_half(n) * sin, where rotate_half(n) = (-n[h:], n[:h]) for h = d / 2 (as Hugging Face's
 //   Llama and Qwen apply it) and row r is at position (r / heads) % positions of the cos/sin tables; else y = n.
 // RMSNorm is <Norm, !Rotate>; Qwen3's q/k norms and rotary <Norm, Rotate>; Llama's rotary <!Norm, Rotate>.
-// D: the row size when known at compile time (the loops then have no remainder to test), else 0.
-template <typename T, bool Norm, bool Rotate, int64_t D>
+// D: the row size when known at compile time (the loops then have no remainder to test), else 0. T is x's type, O
+// the output's: x's own, or bf16 from fp32 (a norm feeding matmuls under bf16 autocast).
+template <typename T, typename O, bool Norm, bool Rotate, int64_t D>
 void forward_rows(const T* __restrict__ x, const float* __restrict__ cos, const float* __restrict__ sin,
-                  const float* __restrict__ w, T* __restrict__ y, float* __restrict__ rstd, int64_t rows,
+                  const float* __restrict__ w, O* __restrict__ y, float* __restrict__ rstd, int64_t rows,
                   int64_t width, int64_t heads, int64_t positions, float eps) {
   static_assert(Norm || Rotate, "nothing to compute");
   const int64_t d = D ? D : width, h = d / 2;
@@ -50,7 +51,7 @@ void forward_rows(const T* __restrict__ x, const float* __restrict__ cos, const 
     float* __restrict__ n = buffer.data();
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * d;
-      T* yr = y + r * d;
+      O* yr = y + r * d;
       float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
       for (int64_t i = 0; i < d; ++i) {
@@ -64,7 +65,7 @@ void forward_rows(const T* __restrict__ x, const float* __restrict__ cos, const 
       }
       if (!Rotate) {  // the norm straight to the output
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) yr[i] = from_float<T>(Norm ? n[i] * scale * w[i] : n[i]);
+        for (int64_t i = 0; i < d; ++i) yr[i] = from_float<O>(Norm ? n[i] * scale * w[i] : n[i]);
         continue;
       }
       if (Norm) {
@@ -76,8 +77,8 @@ void forward_rows(const T* __restrict__ x, const float* __restrict__ cos, const 
       const float* s = sin + p * d;
 #pragma omp simd
       for (int64_t i = 0; i < h; ++i) {
-        yr[i] = from_float<T>(n[i] * c[i] - n[i + h] * s[i]);
-        yr[i + h] = from_float<T>(n[i + h] * c[i + h] + n[i] * s[i + h]);
+        yr[i] = from_float<O>(n[i] * c[i] - n[i + h] * s[i]);
+        yr[i + h] = from_float<O>(n[i + h] * c[i + h] + n[i] * s[i + h]);
       }
     }
   });
@@ -86,9 +87,10 @@ void forward_rows(const T* __restrict__ x, const float* __restrict__ cos, const 
 // The rotation's transpose takes dy to dn: dn[i] = dy[i] c[i] + dy[i+h] s[i+h], dn[i+h] = dy[i+h] c[i+h] - dy[i] s[i]
 // (without a rotation dn = dy, read as the norm's loop goes). Then the norm's: with x̂ = x * rstd and g = dn * w,
 // dx = rstd * (g - x̂ * mean(g * x̂)) and dw = Σ_rows dn * x̂ (each thread sums its own rows into its own buffer; the
-// buffers are added in thread order, so a given thread count gives the same bits). Without a norm dx = dn.
-template <typename T, bool Norm, bool Rotate, int64_t D>
-void backward_rows(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ cos,
+// buffers are added in thread order, so a given thread count gives the same bits). Without a norm dx = dn. dy is
+// of the forward's output type O, dx of x's type T.
+template <typename T, typename O, bool Norm, bool Rotate, int64_t D>
+void backward_rows(const O* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ cos,
                    const float* __restrict__ sin, const float* __restrict__ w, const float* __restrict__ rstd,
                    T* __restrict__ dx, float* __restrict__ dw, int64_t rows, int64_t width, int64_t heads,
                    int64_t positions) {
@@ -102,7 +104,7 @@ void backward_rows(const T* __restrict__ dy, const T* __restrict__ x, const floa
     float* __restrict__ dn = buffers.data();
     float* __restrict__ normed = buffers.data() + d;
     for (int64_t r = begin; r < end; ++r) {
-      const T* dyr = dy + r * d;
+      const O* dyr = dy + r * d;
       if (Rotate) {
         const int64_t p = (r / heads) % positions;
         const float* c = cos + p * d;
@@ -151,50 +153,59 @@ void check_weight(const torch::Tensor& x, const torch::Tensor& w) {
               "a contiguous fp32 CPU weight of the last dimension's size");
 }
 
-// Calls body(T{}, Norm, D) for x's dtype, whether there is a norm (always, without a rotation), and x's row size
-// when it is a usual one.
+// Calls body(T{}, O{}, Norm, D) for x's dtype, the output's (x's own; for RMSNorm also bf16 from fp32), whether
+// there is a norm (always, without a rotation), and x's row size when it is a usual one.
 template <bool Rotate, typename Body>
-void dispatch(const torch::Tensor& x, bool norm, Body body) {
-  auto with_width = [&](auto t, auto n) {
+void dispatch(const torch::Tensor& x, torch::ScalarType out, bool norm, Body body) {
+  auto with_width = [&](auto t, auto o, auto n) {
     switch (x.size(-1)) {
-      case 64: return body(t, n, std::integral_constant<int64_t, 64>{});
-      case 128: return body(t, n, std::integral_constant<int64_t, 128>{});
-      default: return body(t, n, std::integral_constant<int64_t, 0>{});
+      case 64: return body(t, o, n, std::integral_constant<int64_t, 64>{});
+      case 128: return body(t, o, n, std::integral_constant<int64_t, 128>{});
+      default: return body(t, o, n, std::integral_constant<int64_t, 0>{});
     }
   };
-  auto with_norm = [&](auto t) {
-    if constexpr (Rotate) norm ? with_width(t, std::true_type{}) : with_width(t, std::false_type{});
-    else with_width(t, std::true_type{});
+  auto with_norm = [&](auto t, auto o) {
+    if constexpr (Rotate) norm ? with_width(t, o, std::true_type{}) : with_width(t, o, std::false_type{});
+    else with_width(t, o, std::true_type{});
   };
-  x.scalar_type() == torch::kBFloat16 ? with_norm(c10::BFloat16{}) : with_norm(float{});
+  const bool bf16_in = x.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(out == x.scalar_type() || (!Rotate && !bf16_in && out == torch::kBFloat16),
+              "an output in the input's dtype, or in bf16 from fp32 (RMSNorm)");
+  if (bf16_in) return with_norm(c10::BFloat16{}, c10::BFloat16{});
+  if constexpr (!Rotate)
+    if (out == torch::kBFloat16) return with_norm(float{}, c10::BFloat16{});
+  with_norm(float{}, float{});
 }
 
-std::vector<torch::Tensor> rms_norm_forward(torch::Tensor x, const torch::Tensor& w, double eps) {
+std::vector<torch::Tensor> rms_norm_forward(torch::Tensor x, const torch::Tensor& w, double eps,
+                                            torch::ScalarType out) {
   check_input(x);
   check_weight(x, w);
   x = x.contiguous();
   const int64_t d = x.size(-1), rows = x.numel() / d;
-  auto y = torch::empty_like(x);
+  auto y = torch::empty_like(x, x.options().dtype(out));
   auto rstd = torch::empty({rows}, x.options().dtype(torch::kFloat));
-  dispatch<false>(x, true, [&](auto t, auto n, auto width) {
+  dispatch<false>(x, out, true, [&](auto t, auto o, auto n, auto width) {
     using T = decltype(t);
-    forward_rows<T, decltype(n)::value, false, decltype(width)::value>(
-        x.data_ptr<T>(), nullptr, nullptr, w.data_ptr<float>(), y.data_ptr<T>(), rstd.data_ptr<float>(), rows, d, 1,
+    using O = decltype(o);
+    forward_rows<T, O, decltype(n)::value, false, decltype(width)::value>(
+        x.data_ptr<T>(), nullptr, nullptr, w.data_ptr<float>(), y.data_ptr<O>(), rstd.data_ptr<float>(), rows, d, 1,
         1, static_cast<float>(eps));
   });
   return {y, rstd};
 }
 
 std::vector<torch::Tensor> rms_norm_backward(torch::Tensor dy, const torch::Tensor& x, const torch::Tensor& w,
-                                             const torch::Tensor& rstd) {
-  dy = dy.to(x.scalar_type()).contiguous();
+                                             const torch::Tensor& rstd, torch::ScalarType out) {
+  dy = dy.to(out).contiguous();
   const int64_t d = x.size(-1), rows = x.numel() / d;
   auto dx = torch::empty_like(x);
   auto dw = torch::zeros({d}, w.options());
-  dispatch<false>(x, true, [&](auto t, auto n, auto width) {
+  dispatch<false>(x, out, true, [&](auto t, auto o, auto n, auto width) {
     using T = decltype(t);
-    backward_rows<T, decltype(n)::value, false, decltype(width)::value>(
-        dy.data_ptr<T>(), x.data_ptr<T>(), nullptr, nullptr, w.data_ptr<float>(), rstd.data_ptr<float>(),
+    using O = decltype(o);
+    backward_rows<T, O, decltype(n)::value, false, decltype(width)::value>(
+        dy.data_ptr<O>(), x.data_ptr<T>(), nullptr, nullptr, w.data_ptr<float>(), rstd.data_ptr<float>(),
         dx.data_ptr<T>(), dw.data_ptr<float>(), rows, d, 1, 1);
   });
   return {dx, dw};
@@ -218,9 +229,9 @@ std::vector<torch::Tensor> rotary_forward(torch::Tensor x, const torch::Tensor& 
   const int64_t d = x.size(-1), heads = x.size(-2), rows = x.numel() / d;
   auto y = torch::empty_like(x);
   auto rstd = torch::empty({norm ? rows : 0}, x.options().dtype(torch::kFloat));
-  dispatch<true>(x, norm, [&](auto t, auto n, auto width) {
+  dispatch<true>(x, x.scalar_type(), norm, [&](auto t, auto, auto n, auto width) {
     using T = decltype(t);
-    forward_rows<T, decltype(n)::value, true, decltype(width)::value>(
+    forward_rows<T, T, decltype(n)::value, true, decltype(width)::value>(
         x.data_ptr<T>(), cos.data_ptr<float>(), sin.data_ptr<float>(), norm ? w->data_ptr<float>() : nullptr,
         y.data_ptr<T>(), rstd.data_ptr<float>(), rows, d, heads, cos.size(0), static_cast<float>(eps));
   });
@@ -235,9 +246,9 @@ std::vector<torch::Tensor> rotary_backward(torch::Tensor dy, const torch::Tensor
   const int64_t d = x.size(-1), heads = x.size(-2), rows = x.numel() / d;
   auto dx = torch::empty_like(x);
   auto dw = torch::zeros({norm ? d : 0}, x.options().dtype(torch::kFloat));
-  dispatch<true>(x, norm, [&](auto t, auto n, auto width) {
+  dispatch<true>(x, x.scalar_type(), norm, [&](auto t, auto, auto n, auto width) {
     using T = decltype(t);
-    backward_rows<T, decltype(n)::value, true, decltype(width)::value>(
+    backward_rows<T, T, decltype(n)::value, true, decltype(width)::value>(
         dy.data_ptr<T>(), x.data_ptr<T>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
         norm ? w->data_ptr<float>() : nullptr, rstd.data_ptr<float>(), dx.data_ptr<T>(), dw.data_ptr<float>(), rows,
         d, heads, cos.size(0));
