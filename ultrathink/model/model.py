@@ -64,7 +64,7 @@ class RMSNorm(nn.Module):
 def matmul_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a matmul computes in on x's device: autocast's where it is on, else x's. A norm whose output only
     feeds matmuls is asked for it: under bf16 autocast on a CPU, the three projections of the attention and the two
-    of the MLP each cast an fp32 norm's output (and each cast their gradient back to add them up in fp32): 1.1% of
+    of the MLP each cast an fp32 norm's output (and each cast their gradient back to add them up in fp32): 1.4-2.8% of
     the eager step at d384 × 6 (benchmarks/README.md). The gradients the matmuls return then add up in bf16."""
     device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
