@@ -39,6 +39,18 @@ def autocast_step(model, x):
     return out.logits, grads
 
 
+def same_logits_close_grads(model, x, monkeypatch):
+    """One bf16 autocast step as the model runs it, and one with every norm in the residual's fp32: the logits are
+    the same bits, the gradients close (they add up in bf16 where a norm feeds several matmuls)."""
+    logits, grads = autocast_step(model, x)
+    with monkeypatch.context() as patched:
+        patched.setattr(model_module, "matmul_dtype", lambda x: x.dtype)
+        fp32_logits, fp32_grads = autocast_step(model, x)
+    assert torch.equal(logits, fp32_logits)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, fp32_grads[name], rtol=0.05, atol=2e-3, msg=name)
+
+
 @pytest.mark.parametrize("torch_path", [False, True])
 def test_norms_feeding_matmuls_return_the_autocast_dtype_and_change_no_value(monkeypatch, torch_path):
     """Under bf16 autocast the norms before the attention, the dense MLP and the output projection return bf16,
@@ -56,18 +68,31 @@ def test_norms_feeding_matmuls_return_the_autocast_dtype_and_change_no_value(mon
         lambda m, inp, out, name=name: seen.__setitem__(name, (out if name == "norm" else inp[0]).dtype))
         for name in watched]
     with cpu_kernels.torch_path() if torch_path else contextlib.nullcontext():
-        logits, grads = autocast_step(model, x)
+        autocast_step(model, x)
         for hook in hooks:
             hook.remove()
-        with monkeypatch.context() as patched:
-            patched.setattr(model_module, "matmul_dtype", lambda x: x.dtype)  # every norm in the residual's fp32
-            fp32_logits, fp32_grads = autocast_step(model, x)
+        same_logits_close_grads(model, x, monkeypatch)
     assert seen == {"blocks.0.attn.q_proj": torch.bfloat16, "blocks.0.mlp": torch.bfloat16,
                     "blocks.0.mlp.gate_proj": torch.bfloat16, "blocks.1.attn.q_proj": torch.bfloat16,
                     "blocks.1.mlp": torch.float32, "norm": torch.bfloat16}  # block 1's MLP is the MoE (every: 2)
-    assert torch.equal(logits, fp32_logits)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, fp32_grads[name], rtol=0.05, atol=2e-3, msg=name)
+
+
+def test_a_routed_block_norms_its_kept_tokens_into_the_autocast_dtype_and_changes_no_value(monkeypatch):
+    """DRE's routed attention projects only the kept tokens, through its own call of the block's attention norm:
+    that call returns bf16 under autocast too, with the same logits as fp32 norms and close gradients."""
+    torch.manual_seed(6)
+    cfg = ModelConfig(**{**CFG.model_dump(), "qk_norm": True, "dropout": 0.0,
+                         "dre": {"enabled": True, "every": 2, "warmup_steps": 0}})
+    model = UltraThink(cfg, VOCAB).train()
+    x = torch.randint(0, VOCAB, (2, 48))
+    seen = {}
+    routed_norm = model.blocks[1].block.attn_norm
+    hook = routed_norm.register_forward_hook(lambda m, inp, out: seen.update(shape=inp[0].shape, dtype=out.dtype))
+    autocast_step(model, x)
+    hook.remove()
+    # a flat set of the kept tokens (padded to a multiple of rows), not the whole batch
+    assert seen["dtype"] == torch.bfloat16 and len(seen["shape"]) == 2 and seen["shape"][0] < x.numel()
+    same_logits_close_grads(model, x, monkeypatch)
 
 
 def test_qk_norm_normalises_each_head_and_matches_qwen3():

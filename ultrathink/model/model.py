@@ -219,8 +219,9 @@ class Block(nn.Module):
     def feed(self, x: torch.Tensor) -> tuple[torch.Tensor, Records]:
         """The MLP half's contribution to the residual stream, and the records of a routing MLP (MoE)."""
         # A routing MLP (MoE) adds its experts' outputs up in its input's dtype: it keeps the residual's.
-        out = self.mlp(self.mlp_norm(x, matmul_dtype(x) if isinstance(self.mlp, SwiGLU) else None))
-        out, records = out if isinstance(self.mlp, RoutingModule) else (out, {})
+        routing = isinstance(self.mlp, RoutingModule)
+        out = self.mlp(self.mlp_norm(x, None if routing else matmul_dtype(x)))
+        out, records = out if routing else (out, {})
         return self.drop(out), prefixed("mlp", records)
 
 
