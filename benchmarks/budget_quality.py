@@ -17,7 +17,7 @@ the seconds, at most the README's 2000. It runs where the train stage runs: on t
 
     .venv/bin/python benchmarks/budget_quality.py [--corpus FILE|embedded ...] [--budget 2min ...]
         [--set key=value ...] [--variant NAME=key=value[,key=value] ...] [--skip-baseline] [--match 2min]
-        [--repeats N] [--grid] [--workdir DIR [--prepare-only]]
+        [--repeats N] [--seeds 1337,1,2] [--grid] [--workdir DIR [--prepare-only]]
 
 --match 2min: the baseline trains for 2 minutes on each corpus and every budget of ours is compared with that score
 (time to quality). --grid trains once per optimizer × schedule (AdamW, Muon, Lion × cosine, WSD) at the same budget.
@@ -26,6 +26,8 @@ and data-side code (the module closures of the validate, tokenizer and prepare s
 constitution.yaml) are those that made it, refreshing its training code from this checkout. So a machine without
 Great Expectations or DVC (a GPU image) can train on copies prepared elsewhere: it never runs the data-side stages.
 --prepare-only makes (or finds) the copies and the held-out texts in --workdir and trains nothing.
+--seeds 1337,1,2 runs each variant once per train.seed: at equal steps a run repeats to the last digit, so only other
+seeds show an idea's noise (tiny Shakespeare at 1000 steps: ±0.016 bits/byte between seeds, benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import shutil
@@ -243,10 +246,11 @@ def run_corpus(corpus: str, args, tmp: Path) -> list[dict]:
     for budget in args.budgets:
         base = None if args.skip_baseline else baseline_for(budget)
         for variant, sets in variants(args):
-            for repeat in range(args.repeats):
-                ours = train_and_score(project_for(sets), held_out, budget, args.overrides + sets)
+            for seed, repeat in itertools.product(args.seeds or [None], range(args.repeats)):
+                seeded = sets + ([] if seed is None else [f"train.seed={seed}"])
+                ours = train_and_score(project_for(sets), held_out, budget, args.overrides + seeded)
                 rows.append({"corpus": name, "bytes": len(text[:cut].encode()), "budget": budget, "variant": variant,
-                             "repeat": repeat, "ours": ours, "baseline": base})
+                             "seed": seed, "repeat": repeat, "ours": ours, "baseline": base})
                 print(row_line(rows[-1]), flush=True)
                 print("row:", json.dumps(rows[-1]), file=sys.stderr, flush=True)  # for scripts: grep '^row:'
 
@@ -285,7 +289,8 @@ def refresh_training_code(project: Path) -> None:
 
 def row_line(row: dict) -> str:
     ours, base = row["ours"], row["baseline"]
-    line = (f"{row['corpus']:>12} {row['budget']:>6} {row['variant']:>14}  ours {ours['bpb']:.4f} "
+    seed = f" seed {row['seed']}" if row.get("seed") is not None else ""
+    line = (f"{row['corpus']:>12} {row['budget']:>6} {row['variant']:>14}{seed}  ours {ours['bpb']:.4f} "
             f"({ours['seconds']:.0f} s, {ours['steps']} steps, {ours['params'] / 1e6:.2f}M)")
     if base:
         line += (f"  nanoGPT {base['bpb']:.4f} ({base['seconds']:.0f} s, {base['iterations']} it)  "
@@ -295,7 +300,7 @@ def row_line(row: dict) -> str:
 
 
 def summary(rows: list[dict]) -> None:
-    print("\ncorpus | budget | variant | ours bits/byte (mean of repeats) | nanoGPT same seconds | ratio")
+    print("\ncorpus | budget | variant | ours bits/byte (mean ± sd of its runs) | nanoGPT same seconds | ratio")
     keys = dict.fromkeys((r["corpus"], r["budget"], r["variant"]) for r in rows)
     for corpus, budget, variant in keys:
         same = [r for r in rows if (r["corpus"], r["budget"], r["variant"]) == (corpus, budget, variant)]
@@ -304,6 +309,26 @@ def summary(rows: list[dict]) -> None:
         base = same[0]["baseline"]
         tail = f" | {base['bpb']:.4f} | {statistics.mean(scores) / base['bpb']:.3f}" if base else " | | "
         print(f"{corpus} | {budget} | {variant} | {statistics.mean(scores):.4f}{spread}{tail}")
+    paired = [line for corpus, budget, variant in keys if variant != "defaults"
+              for line in [paired_difference(rows, corpus, budget, variant)] if line]
+    if paired:
+        print("\ncorpus | budget | variant | minus defaults, paired by seed: mean ± standard error (seeds)")
+        print("\n".join(paired))
+
+
+def paired_difference(rows: list[dict], corpus: str, budget: str, variant: str) -> str | None:
+    """A variant's score minus the defaults' of the same seed, over the seeds both ran (repeats averaged): at equal
+    steps a seed's run repeats to the last digit, so its spread between seeds is the noise an idea must clear."""
+    def by_seed(name: str) -> dict:
+        same = [r for r in rows if (r["corpus"], r["budget"], r["variant"]) == (corpus, budget, name)]
+        seeds = dict.fromkeys(r.get("seed") for r in same)
+        return {seed: statistics.mean(r["ours"]["bpb"] for r in same if r.get("seed") == seed) for seed in seeds}
+    ours, defaults = by_seed(variant), by_seed("defaults")
+    differences = [ours[seed] - defaults[seed] for seed in ours if seed is not None and seed in defaults]
+    if len(differences) < 2:
+        return None
+    error = statistics.stdev(differences) / math.sqrt(len(differences))
+    return f"{corpus} | {budget} | {variant} | {statistics.mean(differences):+.4f} ± {error:.4f} ({len(differences)})"
 
 
 def main() -> None:
@@ -318,6 +343,9 @@ def main() -> None:
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--match", help="the baseline's seconds for every budget (time to its quality)")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--seeds", type=lambda v: [int(s) for s in v.split(",")],
+                        help="train.seed values (e.g. 1337,1,2): each variant runs once per seed, and the summary "
+                        "adds each variant's difference from the defaults paired by seed")
     parser.add_argument("--grid", action="store_true", help="optimizer × schedule at each budget")
     parser.add_argument("--workdir", type=Path, help="keep prepared copies here and reuse those that still match")
     parser.add_argument("--prepare-only", action="store_true", help="prepare the copies in --workdir, train nothing")
@@ -325,6 +353,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.prepare_only and not args.workdir:
         parser.error("--prepare-only keeps its copies in --workdir: name one")
+    if args.seeds and any("train.seed=" in o for o in args.overrides + args.variants):
+        parser.error("--seeds sets train.seed for every run: leave it out of --set and --variant")
     args.corpora, args.budgets = args.corpora or [str(SHAKESPEARE)], args.budgets or ["2min"]
     print(f"params: {' '.join(args.overrides) or '(the shipped defaults)'}; torch threads {torch.get_num_threads()}",
           flush=True)
