@@ -80,6 +80,38 @@ def test_loader_covers_each_window_once_per_epoch_and_resumes():
     assert all(torch.equal(a, next(again)[0]) for a in expected)
 
 
+def test_later_epochs_cut_the_stream_from_other_offsets_and_resume_there():
+    """The first epoch cuts windows from token 0, each later one from an offset drawn from (seed, epoch): every
+    window still seq_len + 1 consecutive tokens of the stream, each epoch its 8 windows once; validation's fixed
+    order never shifts; a run resumed inside a shifted epoch reads what the uninterrupted one reads."""
+    tokens = np.arange(16 * 8 + 5, dtype=np.uint16)  # a token's value is its position: 8 windows of 16, 5 left over
+
+    def epochs(loader, count):
+        for _ in range(count):
+            xs, ys = zip(*(next(loader) for _ in range(4)))  # 4 steps of 2 windows: one epoch
+            x, y = torch.cat(xs), torch.cat(ys)
+            assert torch.equal(x, x[:, :1] + torch.arange(16)) and torch.equal(y, x + 1)  # consecutive tokens
+            yield sorted(x[:, 0].tolist())
+
+    shuffled = list(epochs(TokenWindows(tokens, 16, 2, seed=3), 6))
+    assert shuffled[0] == list(range(0, 128, 16))
+    offsets = set()
+    for starts in shuffled[1:]:
+        assert len(set(starts)) == 8 and max(starts) <= len(tokens) - 17
+        offset = max((s % 16 for s in starts), key=[s % 16 for s in starts].count)
+        assert sum(s % 16 == offset for s in starts) >= 7  # all but a window wrapped past the end
+        offsets.add(offset)
+    assert len(offsets) >= 3 and offsets != {0}
+    assert all(starts == list(range(0, 128, 16)) for starts in epochs(TokenWindows(tokens, 16, 2, 3, False), 3))
+    loader = TokenWindows(tokens, 16, 2, seed=3)
+    for _ in range(9):  # two epochs and one step into the third
+        next(loader)
+    state, expected = loader.state_dict(), [next(loader)[0] for _ in range(6)]
+    again = TokenWindows(tokens, 16, 2, seed=3)
+    again.load_state_dict(state)
+    assert all(torch.equal(a, next(again)[0]) for a in expected)
+
+
 def test_the_global_batch_is_the_same_on_any_number_of_ranks_and_each_rank_reads_its_own_part():
     tokens = np.arange(16 * 12 + 1, dtype=np.uint16)  # 12 windows of 16
     starts = lambda batch: batch[0][:, 0].tolist()  # noqa: E731
