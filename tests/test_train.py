@@ -116,7 +116,9 @@ def test_the_global_batch_is_the_same_on_any_number_of_ranks_and_each_rank_reads
     tokens = np.arange(16 * 12 + 1, dtype=np.uint16)  # 12 windows of 16
     starts = lambda batch: batch[0][:, 0].tolist()  # noqa: E731
     one = TokenWindows(tokens, 16, 2, seed=1, grad_accum=2)  # 4 sequences per step, in 2 micro-batches of 2
-    steps_one = [starts(next(one)) + starts(next(one)) for _ in range(2)]
+    # 3 steps an epoch: the third epoch's windows are cut from an offset, which every rank must share
+    steps_one = [starts(next(one)) + starts(next(one)) for _ in range(8)]
+    assert any(start % 16 for step in steps_one[6:] for start in step)
     for world in (2, 4):
         ranks = [TokenWindows(tokens, 16, 2, seed=1, grad_accum=2, rank=r, world_size=world) for r in range(world)]
         assert ranks[0].layout == BatchLayout(sequences=4, world_size=world, micro=4 // world, accum=1)
