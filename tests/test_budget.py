@@ -101,7 +101,7 @@ def test_effective_tokens_discount_repeats():
     assert sizing.effective_tokens(1e6, unique) == 1e6
     four = sizing.effective_tokens(4e6, unique)
     assert four == pytest.approx(unique * (1 + sizing.REPEAT_DECAY * (1 - math.exp(-3 / sizing.REPEAT_DECAY))))
-    assert 3e6 < four < 3.5e6  # four epochs are worth about 3.1 of fresh text (R* 4)
+    assert 3e6 < four < 3.5e6  # four epochs are worth about 3.3 of fresh text (R* 5)
     assert sizing.effective_tokens(1e9, unique) == pytest.approx(unique * (1 + sizing.REPEAT_DECAY))  # saturates
 
 
@@ -111,14 +111,21 @@ def test_the_repeat_discount_is_the_one_the_measured_sweeps_fit(monkeypatch):
     Muennighoff's published 15.4 it prefers the smaller model, which measured worse by more than the spread. A
     shape counts by its repeats' means: judged run by run, a law that picks the repeat with the most tokens (the
     worst of three at 5 minutes on tiny Shakespeare) would be credited or blamed for the machine's noise. Nor does
-    the fit follow a difference smaller than one run's spread: to the last digit the runs prefer R* 5, by less."""
+    the fit follow a difference smaller than one run's noise, the machine's share and the seed's: to the last
+    digit the runs prefer R* 6, and with the machine's share alone as the tie (every sweep ran one seed) R* 5."""
     from ultrathink.train import sizing_evidence
-    from ultrathink.train.sizing_evidence import SWEEPS, Measured, Run, Sweep, fit_repeat_decay, run_spread
+    from ultrathink.train.sizing_evidence import (SWEEPS, Measured, Run, Seeds, Sweep, fit_repeat_decay, noise,
+                                                  run_spread, seed_spread)
 
     spread = 0.03  # bits/byte between runs of one configuration at 2 min (benchmarks/README.md)
     assert sizing.REPEAT_DECAY == fit_repeat_decay()
-    assert 0.005 < run_spread() < 0.015
-    monkeypatch.setattr(sizing_evidence, "run_spread", lambda sweeps=SWEEPS: 0.0)
+    assert 0.005 < run_spread() < 0.015 and 0.005 < seed_spread() < 0.015
+    assert noise() == pytest.approx(math.hypot(run_spread(), seed_spread()))
+    assert seed_spread((Seeds("c", "x", (1.0, 1.02)), Seeds("c", "y", (2.0, 2.01, 2.03)), Seeds("c", "z", (3.0,)))) \
+        == pytest.approx(math.sqrt((0.0002 + 0.0014 / 3) / 3))  # pooled over x and y; one seed says nothing
+    monkeypatch.setattr(sizing_evidence, "noise", lambda sweeps=SWEEPS: 0.0)
+    assert fit_repeat_decay() == 6.0
+    monkeypatch.setattr(sizing_evidence, "noise", run_spread)
     assert fit_repeat_decay() == 5.0
     monkeypatch.undo()
     twice = Sweep("corpus", "2min", 1_000_000, (Run("a", 1, 1, 2.00), Run("a", 1, 1, 2.02), Run("b", 2, 1, 1.00),
@@ -281,14 +288,16 @@ def test_dropouts_repeat_discount_is_the_one_the_measured_runs_fit():
     better on every sweep; with a smaller discount it drops dropout where it paid, with none (R*_D = R*) dropout could
     never pay, since it only costs tokens, and without the threshold the law keeps it on a small model where it
     measured worse."""
-    from ultrathink.train.sizing_evidence import SWEEPS, fit_dropout, total_dropout_regret
+    from ultrathink.train.sizing_evidence import SWEEPS, fit_dropout, noise, total_dropout_regret
 
     spread = 0.03
     rstar, rstar_d, threshold = sizing.REPEAT_DECAY, sizing.DROPOUT_REPEAT_DECAY, sizing.DROPOUT_MIN_PARAMS_PER_TOKEN
     assert (rstar_d, threshold) == fit_dropout(rstar)
-    assert all(sweep.dropout_regret(rstar, rstar_d, threshold) == 0 for sweep in SWEEPS)
+    # Within one run's noise on every sweep: at 5 minutes on tiny Shakespeare dropout measured better, and the rule
+    # keeps it at one of the two slowdowns its runs had (0.006 worse at the other).
+    assert all(sweep.dropout_regret(rstar, rstar_d, threshold) < noise() for sweep in SWEEPS)
     assert total_dropout_regret(rstar, rstar, threshold) > spread  # no better discount with dropout: never kept
-    assert total_dropout_regret(rstar, 6.0, threshold) > spread  # a smaller one drops it where it paid
+    assert total_dropout_regret(rstar, 8.0, threshold) > spread  # a smaller one drops it where it paid
     assert total_dropout_regret(rstar, rstar_d, 0.0) > 0  # no threshold: kept on a small model, measured worse
 
     # Dropout measured better at some of these runs and worse at others: the rule is not "always" nor "never". (Where
@@ -310,13 +319,13 @@ def test_weight_decay_null_follows_the_epochs_planned_and_a_set_value_wins():
                                 compile=False, weight_decay=weight_decay)
         return plan_run(model_cfg, train_cfg, 64, corpus, corpus[:640], "cpu").plan
 
-    threshold_steps = math.ceil(sizing.REPEATED_DECAY_EPOCHS * 6400 / 64)
+    threshold_steps = math.ceil(round(sizing.REPEATED_DECAY_EPOCHS * 6400 / 64, 9))  # 4.9 * 100 is 490.00000000000006
     assert planned(threshold_steps - 1, None).weight_decay == sizing.WEIGHT_DECAY
     many = planned(threshold_steps, None)
     assert many.weight_decay == sizing.REPEATED_WEIGHT_DECAY
     assert "tokens), weight decay 1 (measured on" in Decided(many, True, {}, None, "").describe()
     assert planned(10 * threshold_steps, 0.3).weight_decay == planned(10, 0.3).weight_decay == 0.3
-    assert [sizing.weight_decay_for(e) for e in (0.5, 3.8, 3.9, 50)] == [0.1, 0.1, 1.0, 1.0]
+    assert [sizing.weight_decay_for(e) for e in (0.5, 4.8, 4.9, 50)] == [0.1, 0.1, 1.0, 1.0]
 
     _, applied = apply_plan(many, model_cfg, TrainConfig(weight_decay=None))
     assert applied.weight_decay == sizing.REPEATED_WEIGHT_DECAY

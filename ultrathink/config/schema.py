@@ -365,7 +365,7 @@ class TrainConfig(Section):
     weight_decay: float | None = Field(
         None, ge=0, description="AdamW's (and Lion's, Muon's) decoupled decay on the hidden matrices, not on norms "
         "or embeddings. null: decided by the run's plan from the epochs it trains (ultrathink/train/sizing.py: "
-        "weight_decay_for): 0.1, or 1.0 for a run that sees its corpus about 4 times or more, where the stronger "
+        "weight_decay_for): 0.1, or 1.0 for a run that sees its corpus about 5 times or more, where the stronger "
         "decay measured better at no cost per step, and better than dropout (benchmarks/README.md)")
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)

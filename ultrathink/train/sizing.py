@@ -55,8 +55,11 @@ CHINCHILLA = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
 # R*_D of Muennighoff et al. 2023: the repetitions after which added epochs are worth 1/e as much. They fitted 15.4 at
 # billions of parameters; fitted here to shapes trained side by side on small corpora (sizing_evidence.SWEEPS, each
 # shape by its repeats' means): at 5–12 epochs 15.4 kept choosing the smaller model, which measured 0.06–0.12
-# bits/byte worse; 5 still chose the smaller one at 2 and 5 minutes on tiny Shakespeare (0.04 and 0.02 worse).
-REPEAT_DECAY = 4.0
+# bits/byte worse. R* 4, 5 and 6 are within one run's noise of each other over the sweeps (total regret 0.176,
+# 0.169, 0.162 over 21 sweeps); the fit takes the strongest discount among them, which was 4 until three sweeps
+# measured after each epoch's windows were cut from another offset (a repeat then costs less) moved R* 6's total
+# down by 0.008.
+REPEAT_DECAY = 5.0
 # Non-embedding parameters beyond this many per unique training token are credited with nothing (useful_params): the
 # most per token at which a shape measured best in its sweep (sizing_evidence.params_per_token_edge). Chinchilla's
 # A/N^α rewards size without end, and past the measured runs that is extrapolation: 2 minutes on an H200 chose 434M
@@ -69,11 +72,12 @@ TARGET_STEPS = 1000
 # benchmarks/README.md), and R*_D with it — fitted to runs with and without it, together with the threshold below
 # (sizing_evidence.fit_dropout).
 DROPOUT = 0.1
-DROPOUT_REPEAT_DECAY = 8.0
+DROPOUT_REPEAT_DECAY = 15.4
 # ... and only for a model of at least this many non-embedding parameters per unique training token: below it the
 # models measured did not overfit enough for dropout to pay even where the law said it would (0.9M parameters on
-# 0.3M tokens, 7 epochs, dropout 1.26× slower: 0.04 bits/byte worse; sizing_evidence.dropout_threshold).
-DROPOUT_MIN_PARAMS_PER_TOKEN = 5.6
+# 0.3M tokens, 7 epochs, dropout 1.26× slower: 0.04 bits/byte worse; sizing_evidence.dropout_threshold). At R* 5
+# the law's 5-minute tiny Shakespeare shape is d256 × 3 (4.5 per token), where dropout measured better.
+DROPOUT_MIN_PARAMS_PER_TOKEN = 3.7
 # Predicted losses this close (relative) are a tie: the fit cannot tell them apart, and a measured throughput that
 # moves with the machine's load would otherwise pick either. A tie goes to the cheaper shape (fewer FLOPs per
 # token, then fewer parameters): more steps in the same budget.
@@ -86,11 +90,11 @@ MEASURE_MARGIN = 0.02
 # train.weight_decay null: AdamW's decoupled decay on the hidden matrices, by the epochs a run is planned to see. A
 # regulariser that costs nothing per step, so unlike dropout it needs no speed measured: WEIGHT_DECAY below
 # REPEATED_DECAY_EPOCHS passes over the corpus, REPEATED_WEIGHT_DECAY from there. Fitted to runs at equal steps
-# (sizing_evidence.WEIGHT_DECAY_CELLS): 1.0 lost 0.006–0.018 bits/byte at 2.5–3.7 epochs, won 0.009–0.092 at 4.2–7
-# (tied once, 0.002 worse at 4.6).
+# (sizing_evidence.WEIGHT_DECAY_CELLS, two seeds each): 1.0 lost 0.006–0.026 bits/byte at 2.5–4.6 epochs, tied at
+# 5.3, won 0.004 at 6.9 and 0.092 at 6.8 (10 minutes, a model of 10 parameters per unique token).
 WEIGHT_DECAY = 0.1
 REPEATED_WEIGHT_DECAY = 1.0
-REPEATED_DECAY_EPOCHS = 3.9
+REPEATED_DECAY_EPOCHS = 4.9
 MIN_BATCH = 4
 HEAD_DIM = 64
 MAX_LAYERS = 32
