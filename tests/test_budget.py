@@ -342,8 +342,8 @@ def test_weight_decay_null_follows_the_epochs_planned_and_a_set_value_wins():
 
 def test_the_repeated_texts_weight_decay_starts_where_the_measured_cells_fit():
     """REPEATED_DECAY_EPOCHS is fitted to runs of one configuration with each decay (sizing_evidence
-    .WEIGHT_DECAY_CELLS): the stronger decay lost at 2.5–3.7 epochs and won from 4.2. Neither decay everywhere
-    does as well: the cells are not "always" nor "never"."""
+    .WEIGHT_DECAY_CELLS): the stronger decay lost at 2.5–4.6 epochs, tied at 5.3, won from 6.8. Neither decay
+    everywhere does as well: the cells are not "always" nor "never"."""
     from ultrathink.train.sizing_evidence import WEIGHT_DECAY_CELLS, fit_weight_decay_epochs, weight_decay_regret
 
     fitted = fit_weight_decay_epochs()

@@ -90,7 +90,7 @@ MEASURE_MARGIN = 0.02
 # train.weight_decay null: AdamW's decoupled decay on the hidden matrices, by the epochs a run is planned to see. A
 # regulariser that costs nothing per step, so unlike dropout it needs no speed measured: WEIGHT_DECAY below
 # REPEATED_DECAY_EPOCHS passes over the corpus, REPEATED_WEIGHT_DECAY from there. Fitted to runs at equal steps
-# (sizing_evidence.WEIGHT_DECAY_CELLS, two seeds each): 1.0 lost 0.006–0.026 bits/byte at 2.5–4.6 epochs, tied at
+# (sizing_evidence.WEIGHT_DECAY_CELLS, six at two seeds): 1.0 lost 0.006–0.026 bits/byte at 2.5–4.6 epochs, tied at
 # 5.3, won 0.004 at 6.9 and 0.092 at 6.8 (10 minutes, a model of 10 parameters per unique token).
 WEIGHT_DECAY = 0.1
 REPEATED_WEIGHT_DECAY = 1.0
