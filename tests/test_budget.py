@@ -14,6 +14,7 @@ from ultrathink.config import Budget, ModelConfig, Params, ParamsError, Tokenize
 from ultrathink.tokenizer import auto_vocab_size, load_tokenizer, train_tokenizer
 from ultrathink.train import sizing
 from ultrathink.train.budget import COMPILE_PAYS_AFTER_SECONDS, Probe, compile_pays, steps_for, warmup_for
+from ultrathink.train.loader import ContextWarmup
 from ultrathink.train.plan import Decided, Plan, apply_plan, decide, plan_run
 
 AUTO_SHAPE = {k: None for k in sizing.SHAPE_KEYS}
@@ -605,13 +606,16 @@ def test_train_stage_spends_a_budget_records_the_plan_and_reuses_it(tmp_path, mo
     trainer, _, again = pretrain.build_trainer(params, Distributed())
     assert not again.measured and again.plan.to_dict() == plan and trainer.cfg.max_steps == plan["max_steps"]
     assert trainer.engine.optimizers[0].param_groups[0]["weight_decay"] == plan["weight_decay"]
+    assert run.data.params["plan.seq_len_warmup_steps"] == str(plan["seq_len_warmup_steps"])
+    assert trainer.context == (ContextWarmup(plan["seq_len_warmup_steps"], config["seq_len"])
+                               if plan["seq_len_warmup_steps"] else None)
     assert trainer.resume() == plan["max_steps"]
 
 
 @pytest.mark.spawns
 @pytest.mark.slow
 def test_a_tokens_budget_trains_exactly_its_steps(tmp_path):
-    project = _prepared(tmp_path, {"train": {"budget": "3000tokens", "warmup_fraction": 0.25}})
+    project = _prepared(tmp_path, {"train": {"budget": "3000tokens", "warmup_fraction": 0.25, "seq_len_warmup": 0.3}})
     sh([sys.executable, "-m", "tasks.train"], project)
     summary = json.loads((project / "artifacts/model/train_summary.json").read_text())
     # TINY trains 4 windows of 32 tokens a step, 128 tokens: 23 steps (2,944 tokens) fall short of 3,000 and 24
@@ -619,6 +623,7 @@ def test_a_tokens_budget_trains_exactly_its_steps(tmp_path):
     assert summary["plan"]["tokens_per_step"] == 128
     assert summary["steps"] == summary["plan"]["max_steps"] == 24
     assert summary["plan"]["warmup_steps"] == 6
+    assert summary["plan"]["seq_len_warmup_steps"] == 7  # train.seq_len_warmup 0.3 of 24 steps: short contexts first
     # ... and 24 optimizer steps were taken: the run's loss curve has a point for each of steps 1 to 24.
     client = client_for(project)
     run = client.search_runs([client.get_experiment_by_name("ultrathink").experiment_id])[0]

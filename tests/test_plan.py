@@ -40,6 +40,24 @@ def test_a_configuration_is_measured_once_then_read_back(tmp_path, monkeypatch):
     assert len(json.loads(book.path.read_text())[first.plan.machine]["plans"]) == 2
 
 
+def test_short_contexts_first_are_planned_for_a_corpus_read_many_times_and_a_set_share_wins(tmp_path):
+    book = PlanBook(tmp_path / "train.json")
+    settings = {"precision": "fp32", "attention": "torch", "compile": False}  # nothing to measure
+
+    def plan(**train):
+        return plan_run(MODEL, TRAIN.model_copy(update=settings | train), 64, tokens(4000), tokens(600), "cpu", 1,
+                        book).plan
+
+    # 64 tokens a step over a 4000-token corpus: 20 steps read it 0.32 times, 430 steps 6.88, 440 steps 7.04.
+    assert plan().seq_len_warmup_steps == 0 == plan().decisions()["seq_len_warmup_steps"]
+    assert plan(max_steps=430).seq_len_warmup_steps == 0
+    many = plan(max_steps=440)
+    assert many.seq_len_warmup_steps == 132 == many.decisions()["seq_len_warmup_steps"]  # 0.3 of the steps
+    assert many.mlflow_params()["plan.seq_len_warmup_steps"] == 132
+    assert plan(seq_len_warmup=0.5).seq_len_warmup_steps == 10 and plan(max_steps=440, seq_len_warmup=0.0)\
+        .seq_len_warmup_steps == 0
+
+
 def test_another_machine_class_decides_for_itself_and_says_so(tmp_path, caplog):
     book = PlanBook(tmp_path / "train.json")
     first = planned(book)

@@ -10,7 +10,7 @@ from ultrathink.evaluate import bits_per_byte, unigram_cross_entropy
 from ultrathink.model import UltraThink
 from ultrathink.model.kernels import AttentionKernel, candidates, label
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
-from ultrathink.train.loader import BatchLayout, BatchSplitError, TokenWindows, eval_batches
+from ultrathink.train.loader import BatchLayout, BatchSplitError, ContextWarmup, TokenWindows, eval_batches
 from ultrathink.train.optim import param_groups
 from ultrathink.train.schedule import lr_factor
 from ultrathink.train.distributed import Distributed
@@ -30,7 +30,7 @@ def corpus(n=4000, seed=0) -> np.ndarray:
 FP = Fingerprint("params", "data", "code")
 
 
-def make_trainer(tmp_path, steps, seed=0, model_cfg=MODEL, fingerprint=FP, **overrides) -> Trainer:
+def make_trainer(tmp_path, steps, seed=0, model_cfg=MODEL, fingerprint=FP, context=None, **overrides) -> Trainer:
     settings = dict(max_steps=steps, batch_size=4, lr=1e-2, warmup_steps=2, weight_decay=0.1, eval_every=5,
                     eval_batches=2, checkpoint_every=5, log_every=5, precision="fp32", seed=seed)
     cfg = TrainConfig(**(settings | overrides))
@@ -40,7 +40,7 @@ def make_trainer(tmp_path, steps, seed=0, model_cfg=MODEL, fingerprint=FP, **ove
     checkpoints = CheckpointManager(tmp_path / "ckpt", fingerprint, 2, cfg.keep_configs, extra={"optimizer": cfg.optimizer})
     dist = Distributed()
     engine = build_engine(ready_model(model, cfg, None, dist), cfg, dist)
-    return Trainer(engine, loader, corpus(600, seed=0), cfg, checkpoints)
+    return Trainer(engine, loader, corpus(600, seed=0), cfg, checkpoints, context=context)
 
 
 @pytest.mark.parametrize("schedule, expected", [
@@ -110,6 +110,42 @@ def test_later_epochs_cut_the_stream_from_other_offsets_and_resume_there():
     again = TokenWindows(tokens, 16, 2, seed=3)
     again.load_state_dict(state)
     assert all(torch.equal(a, next(again)[0]) for a in expected)
+
+
+def test_short_contexts_first_read_each_window_as_quarters_then_halves_of_the_same_tokens():
+    warmup = ContextWarmup(steps=8, seq_len=16)
+    assert [warmup.parts(step) for step in range(10)] == [4] * 4 + [2] * 4 + [1] * 2
+    assert [ContextWarmup(3, 16).parts(step) for step in range(4)] == [4, 4, 2, 1]  # quarters while step < 1.5
+    assert [ContextWarmup(8, 6).parts(step) for step in (0, 5, 8)] == [2, 2, 1]  # 6 tokens have no quarters
+    assert [ContextWarmup(8, 7).parts(step) for step in (0, 5)] == [1, 1]  # an odd seq_len is never cut
+    tokens = np.arange(16 * 8 + 1, dtype=np.uint16)  # a token's value is its position
+    x, y = next(TokenWindows(tokens, 16, 2, seed=3))
+    for step, parts in ((0, 4), (5, 2), (8, 1)):
+        short_x, short_y = warmup.cut((x, y), step)
+        assert short_x.shape == short_y.shape == (2 * parts, 16 // parts)
+        assert torch.equal(short_y, short_x + 1)  # every target is still its input's next token
+        assert torch.equal(short_x.reshape(2, 16), x) and torch.equal(short_y.reshape(2, 16), y)  # the same tokens
+
+
+def test_a_trainer_with_short_contexts_first_feeds_them_and_resumes_inside_them(tmp_path):
+    seen = []
+    straight = make_trainer(tmp_path / "a", 12, context=ContextWarmup(8, MODEL.seq_len))
+    straight.model.register_forward_pre_hook(lambda m, args: seen.append(tuple(args[0].shape)) if m.training else None)
+    straight.fit()
+    assert seen == [(16, 4)] * 4 + [(8, 8)] * 4 + [(4, 16)] * 4  # batch 4 of 16 tokens, cut in 4, then 2
+    whole = make_trainer(tmp_path / "c", 12)
+    whole.fit()
+    assert not torch.equal(whole.model.embed.weight, straight.model.embed.weight)  # the cuts changed the training
+
+    first = make_trainer(tmp_path / "b", 12, context=ContextWarmup(8, MODEL.seq_len))
+    while first.step < 6:  # killed after a checkpoint in the halves
+        first.train_step()
+    first.save_checkpoint()
+    resumed = make_trainer(tmp_path / "b", 12, seed=99, context=ContextWarmup(8, MODEL.seq_len))
+    assert resumed.resume() == 6
+    resumed.fit()
+    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
 
 
 def test_the_global_batch_is_the_same_on_any_number_of_ranks_and_each_rank_reads_its_own_part():

@@ -362,6 +362,13 @@ class TrainConfig(Section):
     warmup_fraction: float | None = Field(
         None, ge=0, le=0.5, description="warmup as a share of the run's steps, replacing warmup_steps (so it "
         "follows a budget)")
+    seq_len_warmup: float | None = Field(
+        None, ge=0, lt=1, description="short contexts first: over this share of the planned steps each window of "
+        "model.seq_len is read as 4 windows of a quarter of it (the first half), then 2 of half (the same tokens "
+        "per step, in cheaper steps); 0: whole windows from the start. null: decided by the run's plan from the "
+        "epochs it trains (ultrathink/train/sizing.py: seq_len_warmup_for): 0.3 for a run that sees its corpus about "
+        "7 times or more, where it measured better, else 0 (it measured worse on a corpus read 2 or 5 times: "
+        "benchmarks/README.md). Pretraining only")
     weight_decay: float | None = Field(
         None, ge=0, description="AdamW's (and Lion's, Muon's) decoupled decay on the hidden matrices, not on norms "
         "or embeddings. null: decided by the run's plan from the epochs it trains (ultrathink/train/sizing.py: "

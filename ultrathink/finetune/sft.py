@@ -70,7 +70,8 @@ def post_training_config(train: TrainConfig, ft: FinetuneConfig | AlignConfig) -
     checkpoint kept."""
     return TrainConfig.model_validate({
         **train.model_dump(), "max_steps": ft.max_steps, "budget": None, "lr": ft.lr,
-        "warmup_steps": ft.warmup_steps, "warmup_fraction": None, "weight_decay": ft.weight_decay,
+        "warmup_steps": ft.warmup_steps, "warmup_fraction": None, "seq_len_warmup": 0.0,
+        "weight_decay": ft.weight_decay,
         "schedule": ft.schedule, "batch_size": ft.batch_size, "grad_accum": 1, "seed": ft.seed,
         "eval_every": ft.eval_every, "eval_batches": 10**9, "checkpoint_every": ft.eval_every,
         "log_every": min(train.log_every, ft.eval_every), "compile": False, "init_from": None,

@@ -24,7 +24,7 @@ from ultrathink.tokenizer import tokenizer_hash
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.distributed import Distributed, setup
 from ultrathink.train.engine import build_engine
-from ultrathink.train.loader import TokenWindows
+from ultrathink.train.loader import ContextWarmup, TokenWindows
 from ultrathink.train.plan import Decided, PlanBook, RankProbes, apply_plan, plan_on_main, plan_run
 from ultrathink.train.precision import keep_freed_host_memory, use_deterministic_kernels
 from ultrathink.train.trainer import Deadline, Trainer, ready_model
@@ -94,8 +94,9 @@ def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[
     loader = TokenWindows(train_tokens, model_cfg.seq_len, cfg.batch_size, cfg.seed, rank=dist.rank,
                           world_size=dist.world_size, grad_accum=cfg.grad_accum)
     engine = build_engine(ready_model(model, cfg, plan.kernel, dist), cfg, dist)
+    context = ContextWarmup(plan.seq_len_warmup_steps, model_cfg.seq_len) if plan.seq_len_warmup_steps else None
     trainer = Trainer(engine, loader, val_tokens, cfg, checkpoints, log_metrics, dist, peak_flops=decided.peak_flops,
-                      deadline=deadline(params, decided))
+                      deadline=deadline(params, decided), context=context)
     return trainer, parent, decided
 
 

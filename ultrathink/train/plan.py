@@ -98,6 +98,7 @@ class Plan:
     replans: list = field(default_factory=list)  # [step, new max_steps] as a time budget's run re-planned
     machine: str = ""  # the machine class it was made on
     weight_decay: float | None = None  # train.weight_decay's, or (null) decided from the planned epochs
+    seq_len_warmup_steps: int = 0  # train.seq_len_warmup of the planned steps (kept when a time budget re-plans)
 
     @classmethod
     def from_dict(cls, raw: dict) -> "Plan":
@@ -116,7 +117,7 @@ class Plan:
         return {"precision": self.precision, "attention": self.attention, "compile": self.compile,
                 "warmup_steps": self.warmup_steps, "shape": self.sizing.get("shape"),
                 "batch_size": self.sizing.get("batch_size"), "dropout": self.sizing.get("dropout"),
-                "weight_decay": self.weight_decay}
+                "weight_decay": self.weight_decay, "seq_len_warmup_steps": self.seq_len_warmup_steps}
 
     def summary(self) -> dict:
         """The decisions and the steps taken, without the timings behind them (those stay in the plan book and the
@@ -128,7 +129,7 @@ class Plan:
         params = {"plan.max_steps": self.max_steps, "plan.warmup_steps": self.warmup_steps,
                   "plan.tokens": self.max_steps * self.tokens_per_step, "plan.precision": self.precision,
                   "plan.attention": label(self.kernel), "plan.compile": self.compile, "plan.machine": self.machine,
-                  "plan.weight_decay": self.weight_decay}
+                  "plan.weight_decay": self.weight_decay, "plan.seq_len_warmup_steps": self.seq_len_warmup_steps}
         if self.probe:
             params.update({"plan.step_seconds": round(self.probe.step_seconds, 4),
                            "plan.probe_seconds": round(self.probe.seconds, 2)})
@@ -503,8 +504,12 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
         train_cfg.max_steps
     warmup = warmup_for(max_steps, train_cfg)
     compile = compile_pays(train_cfg, model_cfg, max_steps, measured, device)
+    epochs = max_steps * tokens_per_step / len(train_tokens)
     if weight_decay is None:
-        weight_decay = sizing.weight_decay_for(max_steps * tokens_per_step / len(train_tokens))
+        weight_decay = sizing.weight_decay_for(epochs)
+    seq_len_warmup = train_cfg.seq_len_warmup
+    if seq_len_warmup is None:
+        seq_len_warmup = sizing.seq_len_warmup_for(epochs)
     return Plan(train_cfg.budget, max_steps, warmup, tokens_per_step, flops_per_token, precision,
                 kernel.to_dict(), compile, measured, sized.to_dict() if sized else {}, timings,
-                weight_decay=weight_decay)
+                weight_decay=weight_decay, seq_len_warmup_steps=round(seq_len_warmup * max_steps))

@@ -22,7 +22,7 @@ from ultrathink.errors import StageError
 from ultrathink.train.checkpoint import CheckpointManager
 from ultrathink.train.distributed import Distributed
 from ultrathink.train.engine import Engine, autocast
-from ultrathink.train.loader import BatchLayout, TokenStreamEval, TokenWindows
+from ultrathink.train.loader import BatchLayout, ContextWarmup, TokenStreamEval, TokenWindows
 from ultrathink.model.kernels import AttentionKernel, fixed_kernel
 from ultrathink.train.precision import peak_flops
 from ultrathink.train.schedule import Scheduler, same_schedule
@@ -133,12 +133,13 @@ class Trainer:
                  cfg: TrainConfig, checkpoints: CheckpointManager,
                  log_metrics: MetricsSink | None = None, dist: Distributed | None = None,
                  peak_flops: float | None = None, deadline: Deadline | None = None,
-                 objective: Objective | None = None):
+                 objective: Objective | None = None, context: ContextWarmup | None = None):
         """`train_loader` gives batches of the objective's (next-token's: (x, y), targets -100 not trained on) and
         has `seq_len` (tokens per row of its batches), `layout` and a state_dict; `val_data` is the val split's
         tokens or anything with `eval_batches(batch_size, max_batches)` that gives the objective's batches.
         `peak_flops`: the device's FLOP/s in this precision, for MFU (default: precision.peak_flops).
-        `deadline`: a time budget's end, when this run measured the plan.
+        `deadline`: a time budget's end, when this run measured the plan. `context`: the plan's short contexts
+        first (pretraining's token windows only: a cut chat would lose its prompt).
 
         `engine` takes the steps: build it with build_engine(ready_model(model, ...), cfg, dist). The trainer does
         not move the model, seed the random generators, change the model's settings or wrap it behind the caller's
@@ -148,7 +149,7 @@ class Trainer:
         # parameters unwrapped, is what is evaluated and saved.
         self.engine, model = engine, engine.model
         self.model, self.loader, self.cfg = model, train_loader, cfg
-        self.deadline, self.peak_flops = deadline, peak_flops
+        self.deadline, self.peak_flops, self.context = deadline, peak_flops, context
         self.objective = objective or NextToken()
         self.val_data = val_data if hasattr(val_data, "eval_batches") else TokenStreamEval(val_data, train_loader.seq_len)
         self.checkpoints = checkpoints
@@ -238,6 +239,8 @@ class Trainer:
         state, on every rank from the same numbers; a skipped step's statistics are dropped with it."""
         self.engine.module.train()
         batches = [next(self.loader) for _ in range(self.layout.accum)]
+        if self.context is not None:
+            batches = [self.context.cut(batch, self.step) for batch in batches]
         # The step's loss is the mean over the global batch's targets, however the ranks and micro-batches split
         # it: a micro-batch's mean loss weighs by its share of the targets (fine-tuning's answers differ in length;
         # in pretraining every share is equal and every weight exactly 1).
