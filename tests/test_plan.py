@@ -56,6 +56,7 @@ def test_short_contexts_first_are_planned_for_a_corpus_read_many_times_and_a_set
     assert many.mlflow_params()["plan.seq_len_warmup_steps"] == 150
     assert plan(seq_len_warmup=0.5).seq_len_warmup_steps == 10 and plan(max_steps=500, seq_len_warmup=0.0)\
         .seq_len_warmup_steps == 0
+    assert plan(max_steps=500, compile=True).seq_len_warmup_steps == 0  # each context length would recompile
 
 
 def test_another_machine_class_decides_for_itself_and_says_so(tmp_path, caplog):

@@ -368,7 +368,8 @@ class TrainConfig(Section):
         "per step, in cheaper steps); 0: whole windows from the start. null: decided by the run's plan from the "
         "epochs it trains (ultrathink/train/sizing.py: seq_len_warmup_for): 0.3 for a run that sees its corpus about "
         "8 times or more, where it measured better, else 0 (it measured worse on corpora read 2 to 7.7 times: "
-        "benchmarks/README.md). Pretraining only")
+        "benchmarks/README.md), and 0 when the run compiles (each context length is another compile). "
+        "Pretraining only")
     weight_decay: float | None = Field(
         None, ge=0, description="AdamW's (and Lion's, Muon's) decoupled decay on the hidden matrices, not on norms "
         "or embeddings. null: decided by the run's plan from the epochs it trains (ultrathink/train/sizing.py: "

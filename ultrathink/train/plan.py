@@ -509,7 +509,9 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
         weight_decay = sizing.weight_decay_for(epochs)
     seq_len_warmup = train_cfg.seq_len_warmup
     if seq_len_warmup is None:
-        seq_len_warmup = sizing.seq_len_warmup_for(epochs)
+        # Compiled, each context length is another compile (~35 s at d192): more than the ~5% of a run that the
+        # short steps save.
+        seq_len_warmup = 0.0 if compile else sizing.seq_len_warmup_for(epochs)
     return Plan(train_cfg.budget, max_steps, warmup, tokens_per_step, flops_per_token, precision,
                 kernel.to_dict(), compile, measured, sized.to_dict() if sized else {}, timings,
                 weight_decay=weight_decay, seq_len_warmup_steps=round(seq_len_warmup * max_steps))
