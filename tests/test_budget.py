@@ -185,6 +185,54 @@ def test_a_budget_far_beyond_the_corpus_picks_a_model_the_corpus_can_train_and_n
     assert params.count(params[-1]) > 5  # it stays there over the largest budgets
 
 
+def test_a_budget_past_what_the_corpus_can_use_is_left_unspent():
+    """Past sizing.saturating_tokens the law predicts less than TIE more (about 19 epochs at R* 5; later with
+    dropout, whose repeats keep more of their worth), and runs lost there: a compute or time budget's tokens stop at
+    them, the batch is sized for those, and the rest of the budget is left unspent. A tokens budget is the user's
+    and is spent whole; a budget the corpus can use is spent whole too."""
+    unique = 50_000
+    for params in (1e6, 3e6, 3e7):
+        tokens = sizing.saturating_tokens(params, unique)
+        floor = sizing.predicted_loss(params, math.inf, unique)
+        assert (sizing.predicted_loss(params, tokens, unique) <= floor * (1 + sizing.TIE)
+                < sizing.predicted_loss(params, 0.97 * tokens, unique))
+        assert 15 < tokens / unique < 20
+        assert sizing.saturating_tokens(params, unique, sizing.DROPOUT_REPEAT_DECAY) > 2.5 * tokens
+    auto = ModelConfig(size="auto", dropout=0.0)
+    huge = sizing.choose(auto, 320, unique, flops=1e17)
+    assert huge.tokens == pytest.approx(sizing.saturating_tokens(huge.non_embedding_params, unique))
+    assert huge.epochs == pytest.approx(huge.tokens / unique) and huge.epochs < 20
+    assert huge.batch_size == sizing.batch_for(huge.tokens, huge.shape.seq_len) < \
+        sizing.batch_for(1e17 / huge.flops_per_token, huge.shape.seq_len)
+    timed = sizing.at_measured_speed(huge, unique, seconds=3600, seconds_per_token=1e-6, dropout=0.0)
+    assert timed.tokens == pytest.approx(huge.tokens)  # 3.6e9 tokens bought, 19 epochs' worth trained
+    dropped = sizing.at_measured_speed(huge, unique, seconds=3600, seconds_per_token=1e-6, dropout=0.1)
+    assert dropped.tokens == pytest.approx(sizing.saturating_tokens(huge.non_embedding_params, unique,
+                                                                    sizing.DROPOUT_REPEAT_DECAY))
+    small = sizing.choose(auto, 320, unique, flops=1e12)
+    assert small.tokens == pytest.approx(1e12 / small.flops_per_token) and small.epochs < 10
+    assert sizing.choose(auto, 320, unique, tokens=1e8).tokens == 1e8
+
+
+def test_a_time_plan_stops_its_steps_where_the_law_credits_no_more_and_says_so():
+    """A time budget far beyond a small corpus (an hour at 2e10 FLOP/s for 20,000 tokens): the plan's steps are its
+    step_ceiling, the tokens the sizing saturated at, its line says the rest is left unspent, and MLflow records the
+    ceiling. A budget the corpus can use plans fewer steps than its ceiling and says nothing of it."""
+    def planned(budget: str) -> Plan:
+        train_cfg = TrainConfig(budget=budget, batch_size=None, precision="fp32", attention="torch", eval_batches=2)
+        return plan_run(ModelConfig(size="auto", dropout=0.0), train_cfg, 64, _stream(), _stream(2000), "cpu",
+                        probe=_probe_at_a_flop_rate([])).plan
+
+    long, short = planned("1h"), planned("5s")
+    assert long.max_steps == long.step_ceiling
+    assert long.step_ceiling == math.ceil(long.sizing["tokens"] / long.tokens_per_step)
+    assert 15 < long.max_steps * long.tokens_per_step / 20_000 < 20
+    assert "the rest of the budget is left unspent" in Decided(long, True, {}, None, "").describe()
+    assert long.mlflow_params()["plan.step_ceiling"] == long.step_ceiling
+    assert short.max_steps < short.step_ceiling
+    assert "unspent" not in Decided(short, True, {}, None, "").describe()
+
+
 def test_sizing_grows_with_compute_and_keeps_fixed_keys():
     auto = ModelConfig(size="auto", dropout=0.0)
     chosen = [sizing.choose(auto, 512, 300_000, flops=c) for c in (1e12, 1e13, 1e14, 1e15)]

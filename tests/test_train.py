@@ -15,7 +15,7 @@ from ultrathink.train.optim import param_groups
 from ultrathink.train.schedule import lr_factor
 from ultrathink.train.distributed import Distributed
 from ultrathink.train.engine import build_engine
-from ultrathink.train.trainer import NonFiniteLossError, Trainer, ready_model
+from ultrathink.train.trainer import Deadline, NonFiniteLossError, Trainer, ready_model
 
 MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, seq_len=16)
 VOCAB = 50
@@ -30,7 +30,8 @@ def corpus(n=4000, seed=0) -> np.ndarray:
 FP = Fingerprint("params", "data", "code")
 
 
-def make_trainer(tmp_path, steps, seed=0, model_cfg=MODEL, fingerprint=FP, context=None, **overrides) -> Trainer:
+def make_trainer(tmp_path, steps, seed=0, model_cfg=MODEL, fingerprint=FP, context=None, deadline=None,
+                 **overrides) -> Trainer:
     settings = dict(max_steps=steps, batch_size=4, lr=1e-2, warmup_steps=2, weight_decay=0.1, eval_every=5,
                     eval_batches=2, checkpoint_every=5, log_every=5, precision="fp32", seed=seed)
     cfg = TrainConfig(**(settings | overrides))
@@ -40,7 +41,7 @@ def make_trainer(tmp_path, steps, seed=0, model_cfg=MODEL, fingerprint=FP, conte
     checkpoints = CheckpointManager(tmp_path / "ckpt", fingerprint, 2, cfg.keep_configs, extra={"optimizer": cfg.optimizer})
     dist = Distributed()
     engine = build_engine(ready_model(model, cfg, None, dist), cfg, dist)
-    return Trainer(engine, loader, corpus(600, seed=0), cfg, checkpoints, context=context)
+    return Trainer(engine, loader, corpus(600, seed=0), cfg, checkpoints, context=context, deadline=deadline)
 
 
 @pytest.mark.parametrize("schedule, expected", [
@@ -481,3 +482,20 @@ def test_compiled_training_matches_eager(tmp_path):
     assert compiled.engine.module is not compiled.model  # really an OptimizedModule
     losses = [[t.train_step()[0] for _ in range(3)] for t in (eager, compiled)]
     assert losses[0] == pytest.approx(losses[1], rel=1e-4)
+
+
+def test_a_time_budget_never_replans_past_the_plans_step_ceiling(tmp_path):
+    """A deadline with time for far more steps re-plans a run at its first revision (step 10), except past the
+    plan's step_ceiling (Deadline.most_steps): there the run ends at its planned steps."""
+    class Replanned(Exception):
+        pass
+
+    def replanned(step, max_steps):
+        raise Replanned(max_steps)
+
+    roomy = dict(seconds=600.0, final_seconds=0.0, eval_seconds=0.0, save_seconds=0.0, on_replan=replanned)
+    with pytest.raises(Replanned) as grown:
+        make_trainer(tmp_path / "open", 20, deadline=Deadline(**roomy)).fit()
+    assert grown.value.args[0] > 20
+    capped = make_trainer(tmp_path / "capped", 20, deadline=Deadline(**roomy, most_steps=20))
+    assert capped.fit().step == 20

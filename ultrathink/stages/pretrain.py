@@ -116,7 +116,7 @@ def deadline(params: Params, decided: Decided) -> Deadline | None:
 
     probe = plan.probe
     return Deadline(Budget.parse(plan.budget).amount - probe.seconds, probe.save_seconds, probe.validation_seconds,
-                    probe.save_seconds, record)  # the other ranks' deadline only makes them follow the main rank
+                    probe.save_seconds, record, plan.step_ceiling)  # the other ranks' only make them follow rank 0
 
 
 def pretrain(params: Params) -> None:

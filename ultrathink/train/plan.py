@@ -20,6 +20,7 @@ import functools
 from collections.abc import Callable
 import json
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -99,6 +100,9 @@ class Plan:
     machine: str = ""  # the machine class it was made on
     weight_decay: float | None = None  # train.weight_decay's, or (null) decided from the planned epochs
     seq_len_warmup_steps: int = 0  # train.seq_len_warmup of the planned steps (kept when a time budget re-plans)
+    # model.size auto under a time or FLOPs budget: the steps past which the law credits the chosen model nothing
+    # (sizing.saturating_tokens); neither the plan nor a time budget's re-plans go past them. None: no such bound.
+    step_ceiling: int | None = None
 
     @classmethod
     def from_dict(cls, raw: dict) -> "Plan":
@@ -129,7 +133,8 @@ class Plan:
         params = {"plan.max_steps": self.max_steps, "plan.warmup_steps": self.warmup_steps,
                   "plan.tokens": self.max_steps * self.tokens_per_step, "plan.precision": self.precision,
                   "plan.attention": label(self.kernel), "plan.compile": self.compile, "plan.machine": self.machine,
-                  "plan.weight_decay": self.weight_decay, "plan.seq_len_warmup_steps": self.seq_len_warmup_steps}
+                  "plan.weight_decay": self.weight_decay, "plan.seq_len_warmup_steps": self.seq_len_warmup_steps,
+                  "plan.step_ceiling": self.step_ceiling}
         if self.probe:
             params.update({"plan.step_seconds": round(self.probe.step_seconds, 4),
                            "plan.probe_seconds": round(self.probe.seconds, 2)})
@@ -286,6 +291,10 @@ class Decided:
         if plan.probe:
             line += (f", at {plan.probe.step_seconds * 1e3:.0f} ms/step measured (probe {plan.probe.seconds:.1f} s, "
                      f"validation {plan.probe.eval_seconds:.2f} s)")
+        if plan.step_ceiling is not None and plan.max_steps == plan.step_ceiling:
+            corpus = plan.sizing["tokens"] / plan.sizing["epochs"]
+            line += (f", as many as the law credits this model with ({plan.max_steps * plan.tokens_per_step / corpus:.1f}"
+                     f" epochs): the rest of the budget is left unspent")
         if plan.replans:
             line += f", re-planned while training: {', '.join(f'step {s} → {n}' for s, n in plan.replans)}"
         if plan.weight_decay is not None:
@@ -502,6 +511,11 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
         kernel, timings = decide_attention(train_cfg.attention, model_cfg, train_cfg.batch_size, precision, device)
     max_steps = steps_for(budget, tokens_per_step, flops_per_token, train_cfg, measured) if budget else \
         train_cfg.max_steps
+    step_ceiling = None
+    if sized is not None and budget.kind != "tokens":
+        step_ceiling = math.ceil(sizing.saturated(replace(sized, tokens=math.inf), len(train_tokens)).tokens
+                                 / tokens_per_step)
+        max_steps = min(max_steps, step_ceiling)
     warmup = warmup_for(max_steps, train_cfg)
     compile = compile_pays(train_cfg, model_cfg, max_steps, measured, device)
     epochs = max_steps * tokens_per_step / len(train_tokens)
@@ -514,4 +528,5 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
         seq_len_warmup = 0.0 if compile else sizing.seq_len_warmup_for(epochs)
     return Plan(train_cfg.budget, max_steps, warmup, tokens_per_step, flops_per_token, precision,
                 kernel.to_dict(), compile, measured, sized.to_dict() if sized else {}, timings,
-                weight_decay=weight_decay, seq_len_warmup_steps=round(seq_len_warmup * max_steps))
+                weight_decay=weight_decay, seq_len_warmup_steps=round(seq_len_warmup * max_steps),
+                step_ceiling=step_ceiling)

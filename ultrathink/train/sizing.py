@@ -214,6 +214,34 @@ def predicted_loss(non_embedding_params: int, tokens: float, unique: float, repe
             + c["B"] / effective_tokens(tokens, unique, repeat_decay) ** c["beta"])
 
 
+def saturating_tokens(non_embedding_params: int, unique: float, repeat_decay: float = REPEAT_DECAY) -> float:
+    """The tokens past which the law predicts a model of `non_embedding_params` on `unique` training tokens less
+    than TIE better than it would ever be: repeats are worth ever less (effective_tokens tends to unique × (1 + R*)),
+    so a budget's tokens beyond these buy nothing the law can tell apart. 17–19 epochs at R* 5, 55 at dropout's."""
+    floor = predicted_loss(non_embedding_params, math.inf, unique, repeat_decay)
+
+    def enough(tokens: float) -> bool:
+        return predicted_loss(non_embedding_params, tokens, unique, repeat_decay) <= floor * (1 + TIE)
+
+    low, high = 0.0, unique * (1 + repeat_decay)
+    while not enough(high):
+        low, high = high, high * 2
+    while high - low > 1e-3 * high:  # bisection: the loss falls as the tokens grow
+        middle = (low + high) / 2
+        low, high = (low, middle) if enough(middle) else (middle, high)
+    return high
+
+
+def saturated(sized: "Sizing", corpus_tokens: int) -> "Sizing":
+    """`sized` with its tokens at most its model's saturating_tokens (at dropout's repeat discount where it keeps
+    dropout): the rest of a budget larger than the corpus can use is left unspent. Past them the law sees no gain,
+    and runs lost: a time budget on an H200 planned 165 epochs of tiny Shakespeare, and the best validation was the
+    first (27 epochs); of 400 epochs of Pride, likewise (benchmarks/README.md)."""
+    decay = DROPOUT_REPEAT_DECAY if sized.dropout else REPEAT_DECAY
+    tokens = min(sized.tokens, saturating_tokens(sized.non_embedding_params, corpus_tokens, decay))
+    return replace(sized, tokens=tokens, epochs=tokens / corpus_tokens)
+
+
 def candidate_shapes(fixed: dict[str, int]) -> list[Shape]:
     shapes = []
     for layers in range(1, MAX_LAYERS + 1):
@@ -298,11 +326,13 @@ def seq_len_warmup_for(epochs: float) -> float:
 def at_measured_speed(sized: Sizing, corpus_tokens: int, seconds: float, seconds_per_token: float,
                       dropout: float | None, weight_decay: float | None = None) -> Sizing:
     """`sized` with the tokens `seconds` buy at a measured speed (its probe's, at its batch), the loss the law
-    predicts for them, and model.dropout's value, or (null) dropout decided again for those tokens."""
+    predicts for them, and model.dropout's value, or (null) dropout decided again for those tokens; then
+    saturated."""
     tokens = seconds / seconds_per_token
     timed = replace(sized, tokens=tokens, epochs=tokens / corpus_tokens, dropout=dropout,
                     predicted_loss=predicted_loss(sized.non_embedding_params, tokens, corpus_tokens))
-    return timed if dropout is not None else with_dropout(timed, corpus_tokens, weight_decay=weight_decay)
+    return saturated(timed if dropout is not None else with_dropout(timed, corpus_tokens, weight_decay=weight_decay),
+                     corpus_tokens)
 
 
 def best_measured(measured: list[Sizing]) -> Sizing:
@@ -346,9 +376,10 @@ def choose(model_cfg, vocab_size: int, corpus_tokens: int, *, flops: float | Non
            batch_size: int | None = None, weight_decay: float | None = None,
            below_params: int | None = None) -> Sizing:
     """The shape for a budget of `flops` (compute), `tokens`, or `seconds` at `cost`, on a corpus of
-    `corpus_tokens` training tokens. Shape keys of `model_cfg` that are set (not null) are kept; `weight_decay`
-    (train.weight_decay's) has a say in dropout (with_dropout); `below_params` leaves out shapes of at least that
-    many parameters (one that ran out of the device's memory)."""
+    `corpus_tokens` training tokens; a compute or time budget's tokens then `saturated`, the batch sized for those.
+    Shape keys of `model_cfg` that are set (not null) are kept; `weight_decay` (train.weight_decay's) has a say in
+    dropout (with_dropout); `below_params` leaves out shapes of at least that many parameters (one that ran out of
+    the device's memory)."""
     fixed = {k: getattr(model_cfg, k) for k in SHAPE_KEYS if getattr(model_cfg, k) is not None}
     scored = []
     for shape in candidate_shapes(fixed):
@@ -369,7 +400,11 @@ def choose(model_cfg, vocab_size: int, corpus_tokens: int, *, flops: float | Non
     chosen = _cheapest_of_the_best(scored, lambda row: row[0], lambda row: (row[4], row[2]))
     score, shape, params, non_embedding, per_token, seen = chosen
     runner = next((row for row in scored if row is not chosen), None)
-    sized = Sizing(shape, batch_size or batch_for(seen, shape.seq_len), params, non_embedding, per_token, seen,
+    spent_on_need = tokens is None  # a compute or time budget, not a number of tokens the user asked for
+    trained = min(seen, saturating_tokens(non_embedding, corpus_tokens)) if spent_on_need else seen
+    sized = Sizing(shape, batch_size or batch_for(trained, shape.seq_len), params, non_embedding, per_token, seen,
                    seen / corpus_tokens, score, {"shape": asdict(runner[1]), "score": runner[0]} if runner else {},
                    model_cfg.dropout)
-    return sized if model_cfg.dropout is not None else with_dropout(sized, corpus_tokens, weight_decay=weight_decay)
+    if model_cfg.dropout is None:
+        sized = with_dropout(sized, corpus_tokens, weight_decay=weight_decay)
+    return saturated(sized, corpus_tokens) if spent_on_need else sized

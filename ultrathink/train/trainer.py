@@ -100,6 +100,7 @@ class Deadline:
     eval_seconds: float  # one validation pass (with its best checkpoint), one checkpoint: as probed, then as observed
     save_seconds: float
     on_replan: Callable[[int, int], None] = lambda step, max_steps: None
+    most_steps: int | None = None  # never re-planned past these (the plan's step_ceiling)
 
 
 @dataclass
@@ -376,7 +377,7 @@ class Trainer:
             left = (pace.started + deadline.seconds - time.perf_counter() - deadline.final_seconds - eval_seconds
                     - save_seconds)
             per_step = step_seconds + eval_seconds / cfg.eval_every + save_seconds / cfg.checkpoint_every
-            wanted = self.step + max(1, int(left / per_step))
+            wanted = min(self.step + max(1, int(left / per_step)), deadline.most_steps or math.inf)
             wanted = self._keeping_schedule(wanted)
         new = self.dist.share(wanted)
         if new is None or new == cfg.max_steps:
