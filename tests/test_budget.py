@@ -229,6 +229,7 @@ def test_a_time_plan_stops_its_steps_where_the_law_credits_no_more_and_says_so()
     assert 15 < long.max_steps * long.tokens_per_step / 20_000 < 20
     assert "the rest of the budget is left unspent" in Decided(long, True, {}, None, "").describe()
     assert long.mlflow_params()["plan.step_ceiling"] == long.step_ceiling
+    assert "plan.step_ceiling" not in Plan("2min", 10, 1, 64, 1).mlflow_params()  # a shape of the user's: no bound
     assert short.max_steps < short.step_ceiling
     assert "unspent" not in Decided(short, True, {}, None, "").describe()
 

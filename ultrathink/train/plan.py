@@ -133,8 +133,9 @@ class Plan:
         params = {"plan.max_steps": self.max_steps, "plan.warmup_steps": self.warmup_steps,
                   "plan.tokens": self.max_steps * self.tokens_per_step, "plan.precision": self.precision,
                   "plan.attention": label(self.kernel), "plan.compile": self.compile, "plan.machine": self.machine,
-                  "plan.weight_decay": self.weight_decay, "plan.seq_len_warmup_steps": self.seq_len_warmup_steps,
-                  "plan.step_ceiling": self.step_ceiling}
+                  "plan.weight_decay": self.weight_decay, "plan.seq_len_warmup_steps": self.seq_len_warmup_steps}
+        if self.step_ceiling is not None:
+            params["plan.step_ceiling"] = self.step_ceiling
         if self.probe:
             params.update({"plan.step_seconds": round(self.probe.step_seconds, 4),
                            "plan.probe_seconds": round(self.probe.seconds, 2)})
