@@ -488,7 +488,7 @@ def test_a_time_budget_never_replans_past_the_plans_step_ceiling(tmp_path):
     """A deadline with time for far more steps re-plans a run at its first revision (step 10), except past the
     plan's step_ceiling (Deadline.most_steps): there the run ends at its planned steps."""
     class Replanned(Exception):
-        pass
+        """Raised by on_replan: the run revised its steps."""
 
     def replanned(step, max_steps):
         raise Replanned(max_steps)

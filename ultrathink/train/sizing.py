@@ -157,7 +157,7 @@ class Sizing:
     params: int  # all parameters (the tied embedding once)
     non_embedding_params: int
     flops_per_token: int
-    tokens: float  # what the budget buys at this shape
+    tokens: float  # what the budget buys at this shape, at most its saturating_tokens (a tokens budget: all of it)
     epochs: float  # tokens / the corpus's training tokens
     predicted_loss: float
     runner_up: dict
