@@ -12,7 +12,7 @@ from ultrathink.model.kernels import AttentionKernel, candidates, label
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.loader import BatchLayout, BatchSplitError, ContextWarmup, TokenWindows, eval_batches
 from ultrathink.train.optim import param_groups
-from ultrathink.train.schedule import lr_factor
+from ultrathink.train.schedule import decay_from, lr_factor
 from ultrathink.train.distributed import Distributed
 from ultrathink.train.engine import build_engine
 from ultrathink.train.trainer import Deadline, NonFiniteLossError, Trainer, ready_model
@@ -55,6 +55,17 @@ def test_schedules_warm_up_then_follow_their_shape(schedule, expected):
     assert [lr_factor(s, cfg) for s in (0, 9, 10, 55, 100)] == pytest.approx(expected)
     if schedule == "wsd":  # stable until 80% of the post-warmup steps, then linear to the floor
         assert lr_factor(82, cfg) == pytest.approx(1.0) and lr_factor(91, cfg) == pytest.approx(0.55)
+
+
+@pytest.mark.parametrize("warmup, step, fraction", [(10, 50, 0.2), (2, 13, 0.2), (0, 7, 0.3), (5, 333, 0.1)])
+def test_a_decay_begun_early_keeps_the_steps_taken_and_takes_its_share_of_the_run(warmup, step, fraction):
+    cfg = TrainConfig(max_steps=10_000, warmup_steps=warmup, min_lr_ratio=0.1, schedule="wsd", decay_fraction=fraction)
+    total = decay_from(step, cfg)
+    shortened = cfg.model_copy(update={"max_steps": total})
+    assert [lr_factor(s, shortened) for s in range(step + 1)] == [lr_factor(s, cfg) for s in range(step + 1)]
+    assert lr_factor(step + 1, shortened) < 1.0 and lr_factor(total, shortened) == pytest.approx(0.1)
+    decaying = sum(lr_factor(s, shortened) < 1.0 for s in range(warmup, total))
+    assert decaying / (total - warmup) == pytest.approx(fraction, abs=1.5 / (total - warmup))
 
 
 def test_weight_decay_skips_norms_and_embeddings():
@@ -341,6 +352,91 @@ def test_early_stopping_keeps_the_best_model(tmp_path):
     assert resumed.resume() == 20
     again = resumed.fit()
     assert again.step == 20 and again.stopped_early and resumed.select_weights() == 10
+
+
+def plateau_trainer(path, steps, validations, **overrides):
+    """A WSD run validated and checkpointed every 20 steps (an epoch of the corpus is 62), whose validation losses
+    are `validations` in turn."""
+    settings = dict(eval_every=20, checkpoint_every=20, log_every=1, decay_patience=1, warmup_steps=2,
+                    min_lr_ratio=0.1, decay_fraction=0.2) | overrides
+    trainer = make_trainer(path, steps, **settings)
+    scripted = iter(validations)
+    trainer.validate = lambda: next(scripted)
+    return trainer
+
+
+def same_weights(a: Trainer, b: Trainer) -> bool:
+    theirs = b.model.state_dict()
+    return all(torch.equal(w, theirs[name]) for name, w in a.model.state_dict().items())
+
+
+PLATEAU = [3.0, 2.0, 1.5, 1.8, 1.4]  # best at step 60; step 80 (in the second epoch) has no gain
+
+
+def test_a_plateau_goes_back_to_the_best_step_and_decays_from_there(tmp_path):
+    """train.decay_patience 1: step 80's pass without gain sends the run back to step 60's checkpoint, whose decay
+    takes a fifth of the run: it ends at step 75, with the weights of a run planned for 75 steps from the start
+    (the 20 steps it went back over leave no trace), and no checkpoint past its end."""
+    trainer = plateau_trainer(tmp_path / "plateau", 200, PLATEAU)
+    result = trainer.fit()
+    assert result.step == 75 and result.decay_began == 60 and trainer.cfg.max_steps == 75
+    assert [point["step"] for point in result.history] == list(range(1, 76))
+    lrs = [point["lr"] / 1e-2 for point in result.history]
+    assert lrs[59] == pytest.approx(1.0) and lrs[60] < 1.0 and lrs[74] == pytest.approx(0.1)
+    assert trainer.checkpoints.latest().step == 75 and trainer.checkpoints.best().step == 75
+    planned = plateau_trainer(tmp_path / "planned", 75, [9.0] * 4, decay_patience=None)
+    planned.fit()
+    assert same_weights(trainer, planned)
+
+
+def test_a_plateau_waits_for_the_second_epoch_and_patience(tmp_path):
+    # Step 60 has no gain within the first epoch: no plateau yet. Step 80's second pass without gain is one.
+    waited = plateau_trainer(tmp_path / "waited", 200, [3.0, 2.5, 2.7, 2.8, 2.4])
+    assert waited.fit().step == 2 + math.ceil(38 / 0.8)  # back to step 40
+    patient = plateau_trainer(tmp_path / "patient", 200, [3.0, 2.0, 1.5, 1.8, 1.7, 1.6, 1.5], decay_patience=2)
+    assert patient.fit().step == 75  # 80 and 100 without gain: back to 60
+    unset = plateau_trainer(tmp_path / "unset", 100, PLATEAU, decay_patience=None)
+    assert unset.fit().step == 100
+
+
+class Killed(Exception):
+    """The process dies here."""
+
+
+def test_a_run_killed_after_going_back_resumes_on_the_path_it_took(tmp_path):
+    whole = plateau_trainer(tmp_path / "whole", 200, PLATEAU)
+    whole.fit()
+    killed = plateau_trainer(tmp_path / "killed", 200, PLATEAU)
+    train_step = killed.train_step
+    killed.train_step = lambda: (_ for _ in ()).throw(Killed()) if killed.step == 70 and killed.cfg.max_steps == 75 \
+        else train_step()
+    with pytest.raises(Killed):
+        killed.fit()
+    resumed = plateau_trainer(tmp_path / "killed", 200, PLATEAU[4:])
+    assert resumed.resume() == 60 and resumed.cfg.max_steps == 75  # the rewound step 60, not step 80
+    assert resumed.fit().step == 75 and same_weights(resumed, whole)
+
+
+def test_a_run_killed_as_it_found_a_plateau_goes_back_when_resumed(tmp_path):
+    whole = plateau_trainer(tmp_path / "whole", 200, PLATEAU)
+    whole.fit()
+    killed = plateau_trainer(tmp_path / "killed", 200, PLATEAU)
+    killed.checkpoints.best = lambda: (_ for _ in ()).throw(Killed())  # dies as it reads the best checkpoint
+    with pytest.raises(Killed):
+        killed.fit()
+    resumed = plateau_trainer(tmp_path / "killed", 200, PLATEAU[4:])
+    assert resumed.resume() == 80
+    assert resumed.fit().step == 75 and same_weights(resumed, whole)
+
+
+def test_a_plateau_under_a_time_budget_is_recorded_as_a_replan(tmp_path):
+    revisions = []
+    roomy = Deadline(seconds=600.0, final_seconds=0.0, eval_seconds=0.0, save_seconds=0.0,
+                     on_replan=lambda step, max_steps: revisions.append((step, max_steps)))
+    trainer = plateau_trainer(tmp_path, 40, PLATEAU + [1.3] * 100, deadline=roomy)
+    assert trainer.fit().step == 75
+    assert revisions[0][0] == 10 and revisions[0][1] > 80  # the deadline's room, at its first revision
+    assert revisions[-1] == (60, 75)
 
 
 def test_select_last_keeps_the_final_weights_and_best_picks_the_lowest_val(tmp_path):

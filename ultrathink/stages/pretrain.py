@@ -182,6 +182,7 @@ def train_and_record(params: Params, trainer: Trainer, resumed: int | None, pare
                    "final_train_loss": result.history[-1]["train_loss"],
                    "final_val_loss": result.history[-1].get("val_loss"), "best_val_loss": result.best_val_loss,
                    "skipped_steps": result.skipped_steps, "stopped_early": result.stopped_early,
+                   "decay_began": result.decay_began,
                    "select": params.train.select, "selected_step": selected, "plan": plan.summary(),
                    "world_size": trainer.dist.world_size, "backend": trainer.dist.backend}
         lineage = {"fingerprint": checkpoints.fingerprint.id, "parts": asdict(checkpoints.fingerprint),

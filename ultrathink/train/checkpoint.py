@@ -215,6 +215,13 @@ class CheckpointManager:
             if (self.directory / old.name[1 : -len(REPLACED)]).exists():
                 shutil.rmtree(old, ignore_errors=True)
 
+    def remove_after(self, step: int) -> None:
+        """Remove this configuration's checkpoints of steps after `step`: a run that went back to `step`
+        (train.decay_patience) must resume on the path it took from there, not on the one it left."""
+        for later, path in self._step_dirs():
+            if later > step:
+                shutil.rmtree(path, ignore_errors=True)
+
     def latest(self) -> Checkpoint | None:
         """The newest checkpoint whose files match its manifest; corrupt ones are reported and skipped."""
         for step, path in self._step_dirs():

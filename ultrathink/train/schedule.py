@@ -31,6 +31,15 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return floor + (1 - floor) * (1 - (progress - decay_start) / cfg.decay_fraction)
 
 
+def decay_from(step: int, cfg: TrainConfig) -> int:
+    """The max_steps under which a WSD run's decay begins after optimizer step `step`: the decay then takes
+    decay_fraction of the run, as it would have at the end of the planned one."""
+    total = cfg.warmup_steps + math.ceil((step - cfg.warmup_steps) / (1 - cfg.decay_fraction))
+    while not same_schedule(cfg, total, step):  # lr_factor's rounding may put the start one step early
+        total += 1
+    return total
+
+
 def same_schedule(cfg: TrainConfig, max_steps: int, step: int) -> bool:
     """Whether steps 0..step (the next one's rate is already set) have the same rates with `max_steps` as with
     cfg.max_steps: what a time budget's revision of its steps must keep (trainer.py, Deadline)."""

@@ -25,7 +25,7 @@ from ultrathink.train.engine import Engine, autocast
 from ultrathink.train.loader import BatchLayout, ContextWarmup, TokenStreamEval, TokenWindows
 from ultrathink.model.kernels import AttentionKernel, fixed_kernel
 from ultrathink.train.precision import peak_flops
-from ultrathink.train.schedule import Scheduler, same_schedule
+from ultrathink.train.schedule import Scheduler, decay_from, lr_factor, same_schedule
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ class TrainResult:
     skipped_steps: int = 0
     best_val_loss: float | None = None
     stopped_early: bool = False
+    decay_began: int | None = None  # where train.decay_patience began the decay, after a plateau
 
 
 @dataclass
@@ -111,7 +112,9 @@ class Counters:
     bad_in_a_row: int = 0
     evals_without_gain: int = 0
     best_val: float = math.inf
+    best_step: int | None = None
     stopped_early: bool = False
+    decay_began: int | None = None  # the step train.decay_patience rewound to and began the WSD decay from
 
 
 def ready_model(model: torch.nn.Module, cfg: TrainConfig, attention: AttentionKernel | None,
@@ -199,20 +202,26 @@ class Trainer:
         if latest is None:
             self._explain_fresh_start()
             return None
-        state = latest.load_state()
-        self.engine.load(latest, state["engine"])
+        self._restore(latest)
+        log.warning("resumed from %s at step %d", latest.path, self.step)
+        return self.step
+
+    def _restore(self, checkpoint) -> None:
+        """Take up the run where `checkpoint` left it: weights, optimizer, schedule, data position, generators."""
+        state = checkpoint.load_state()
+        self.engine.load(checkpoint, state["engine"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["loader"])
         self.step, self.history = state["step"], state["history"]
         if not self.dist.restore_rng_states(state["rng"], self.cfg.seed, self.step):
             log.warning("%s was written by %d ranks, this run has %d: random generators are seeded afresh per "
-                        "rank (dropout masks differ from an uninterrupted run)", latest.path, len(state["rng"]),
+                        "rank (dropout masks differ from an uninterrupted run)", checkpoint.path, len(state["rng"]),
                         self.dist.world_size)
         self.counters = Counters(**state["counters"])
+        if self.counters.decay_began is not None:
+            self._revise_steps(decay_from(self.counters.decay_began, self.cfg))
         if "attention" in state:
             self.model.use_attention(AttentionKernel(**state["attention"]))
-        log.warning("resumed from %s at step %d", latest.path, self.step)
-        return self.step
 
     def _explain_fresh_start(self) -> None:
         """One line on why the newest checkpoint on disk is not resumed (another configuration's)."""
@@ -297,7 +306,7 @@ class Trainer:
     def _count_validation(self, val_loss: float) -> bool:
         """Count a validation pass toward early stopping; True when it is the best so far."""
         if val_loss < self.counters.best_val:
-            self.counters.best_val, self.counters.evals_without_gain = val_loss, 0
+            self.counters.best_val, self.counters.best_step, self.counters.evals_without_gain = val_loss, self.step, 0
             return True
         self.counters.evals_without_gain += 1
         patience = self.cfg.early_stopping_patience
@@ -308,7 +317,7 @@ class Trainer:
         """Train up to cfg.max_steps from the current step (call resume() first to continue a checkpoint). The
         model then holds the last step's weights; select_weights() applies train.select."""
         first_step, stop = self.step, bool(self.counters.stopped_early)
-        started, window_start, window_steps = time.perf_counter(), time.perf_counter(), 0
+        started, window_start, window_steps, trained = time.perf_counter(), time.perf_counter(), 0, 0
         bar = tqdm(total=self.cfg.max_steps, initial=self.step, desc="train", unit="step",
                    disable=None if self.dist.is_main else True, leave=False)
         peak = self.peak_flops or peak_flops(self.cfg.precision, self.dist.device)  # None: MFU is left out
@@ -317,13 +326,16 @@ class Trainer:
                      "the datasheet peak" if is_cuda(self.dist.device) else "the measured matmul peak", peak / 1e9,
                      self.cfg.precision)
         pace = Pace(started)
+        if not stop and self._plateaued():  # resumed from the checkpoint written where a plateau was found
+            self._decay_from_best()
+            self._show(bar)
         while self.step < self.cfg.max_steps and not stop:
             outcome = self.train_step()
             if outcome is None:
                 continue
             cfg = self.cfg
             loss, grad_norm, routing_figures = outcome
-            window_steps += 1
+            window_steps, trained = window_steps + 1, trained + 1
             bar.update(1)
             record = {"train_loss": loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                       "skipped_steps": float(self.counters.skipped), **routing_figures}
@@ -334,11 +346,11 @@ class Trainer:
                 if peak:
                     record["mfu"] = self.flops_per_token * record["tokens_per_second"] / (peak * self.dist.world_size)
                 window_start, window_steps = time.perf_counter(), 0
+            improved = False
             if self.step % cfg.eval_every == 0 or last:
                 with pace.aside("eval"):
                     record["val_loss"] = self.validate()
-                    if self._count_validation(record["val_loss"]):
-                        self.save_checkpoint(name="best")  # kept apart from the last N checkpoints
+                    improved = self._count_validation(record["val_loss"])
                     stop = self.counters.stopped_early
             if self.dist.is_main:
                 self.log_metrics(record, self.step)  # every step to the tracker; console and history less often
@@ -347,9 +359,16 @@ class Trainer:
                 if self.dist.is_main:
                     bar.write(" ".join(filter(None, [step_line(self.step, cfg.max_steps, record),
                                                      self.model.routing_line(record)])))
+            if improved:  # with this step's record in its history: a run that goes back to it keeps that
+                with pace.aside("eval"):
+                    self.save_checkpoint(name="best")  # kept apart from the last N checkpoints
             if self.step % cfg.checkpoint_every == 0 or last or stop:
                 with pace.aside("save"):
                     self.save_checkpoint()
+            if not last and not stop and "val_loss" in record and self._plateaued():
+                self._decay_from_best()
+                self._show(bar)
+                continue
             if self.deadline is not None and not last and not stop and self._replan(pace, first_step):
                 bar.total = self.cfg.max_steps
         bar.close()
@@ -357,11 +376,54 @@ class Trainer:
             log.warning("early stop at step %d: no val gain in %d validations (best val %.4f)",
                         self.step, self.cfg.early_stopping_patience, self.counters.best_val)
         seconds = time.perf_counter() - started
-        trained = self.step - first_step
         best = self.counters.best_val
         return TrainResult(self.step, first_step or None, self.history, seconds,
                            trained * self.tokens_per_step / seconds if seconds else 0.0,
-                           self.counters.skipped, best if math.isfinite(best) else None, stop)
+                           self.counters.skipped, best if math.isfinite(best) else None, stop,
+                           self.counters.decay_began)
+
+    def _show(self, bar: tqdm) -> None:
+        bar.reset(self.cfg.max_steps)
+        bar.update(self.step)
+
+    def _plateaued(self) -> bool:
+        """Whether train.decay_patience validation passes in a row have not improved on the best while a WSD
+        schedule still holds its peak, and the run reads its corpus again (within the first epoch the validation
+        loss has no repeats to overfit to: a pass without gain there is noise or a spike, not a plateau). The main
+        rank decides for all."""
+        return bool(self.dist.share(self._main_sees_plateau() if self.dist.is_main else None))
+
+    def _main_sees_plateau(self) -> bool:
+        cfg, counters = self.cfg, self.counters
+        return (cfg.decay_patience is not None and cfg.schedule == "wsd" and counters.decay_began is None
+                and counters.evals_without_gain >= cfg.decay_patience and self.loader.order.epoch >= 1
+                and counters.best_step is not None and counters.best_step > cfg.warmup_steps
+                and lr_factor(self.step, cfg) == 1.0)
+
+    def _decay_from_best(self) -> None:
+        """train.decay_patience: go back to the best checkpoint's step (weights, optimizer, data position,
+        generators) and begin the decay there, so it anneals the weights that generalised best, not those of the
+        steps that overfitted since. The run then ends when the decay is done (it takes decay_fraction of the
+        steps up to there), and its checkpoints of the abandoned steps are removed: the run resumes from the
+        rewound path. Every rank does the same."""
+        planned, found_at, best = self.cfg.max_steps, self.step, self.checkpoints.best()
+        if best is not None:  # None: unusable (checkpoints.best() said why), so the decay begins here
+            self._restore(best)
+        self.counters.decay_began = self.step
+        self._revise_steps(decay_from(self.step, self.cfg))
+        self.save_checkpoint()
+        if self.dist.is_main:
+            self.checkpoints.remove_after(self.step)
+        self.dist.barrier()
+        log.warning("train.decay_patience: no validation gain in %d passes by step %d; back to step %d (val %.4f) "
+                    "to decay from there: the run ends at step %d, not %d", self.cfg.decay_patience, found_at,
+                    self.step, self.counters.best_val, self.cfg.max_steps, planned)
+        if self.deadline is not None and self.dist.is_main:
+            self.deadline.on_replan(self.step, self.cfg.max_steps)
+
+    def _revise_steps(self, max_steps: int) -> None:
+        self.cfg = self.cfg.model_copy(update={"max_steps": max_steps})
+        self.scheduler.revise(self.cfg)
 
     def _replan(self, pace: "Pace", first_step: int) -> bool:
         """A time budget's revision of max_steps (see Deadline), at step REPLAN_FIRST and every tenth of the run,
@@ -384,8 +446,7 @@ class Trainer:
             return False
         log.warning("time budget: step %d of %d; at the measured pace the budget ends at step %d: re-planned",
                     self.step, cfg.max_steps, new)
-        self.cfg = cfg.model_copy(update={"max_steps": new})
-        self.scheduler.revise(self.cfg)
+        self._revise_steps(new)
         if self.dist.is_main:
             deadline.on_replan(self.step, new)
         return True
