@@ -1,8 +1,8 @@
 """train.decay_patience on two gloo ranks. Half of the validation windows are the training text's cycle and half
 another cycle, so the validation loss falls while the model learns the first and then rises as it grows sure of
 it (here best at step 32, worse at 36, in the second epoch): the run goes back to step 32's checkpoint and decays from
-there. On DDP and FSDP ranks it does so at the same step as one process with the same global batch, and takes the
-same path from there (within the backends' reduction-order rounding)."""
+there. On DDP, FSDP and DeepSpeed ZeRO-2 ranks it does so at the same step as one process with the same global
+batch, and takes the same path from there (within the backends' reduction-order rounding)."""
 
 from __future__ import annotations
 
@@ -54,9 +54,10 @@ def one(tmp_path_factory) -> Path:
     return plateau_run(tmp_path_factory.mktemp("one"), "one", False)
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
+@pytest.mark.parametrize("backend", ["ddp", "fsdp", "zero2"])
 def test_a_plateau_on_two_ranks_goes_back_where_one_process_does(one, backend, tmp_path):
-    two = plateau_run(tmp_path, backend, True, backend=backend)
+    settings = {"backend": "deepspeed", "deepspeed": {"zero_stage": 2}} if backend == "zero2" else {"backend": backend}
+    two = plateau_run(tmp_path, backend, True, **settings)
     a, b = summary(one), summary(two)
     assert a["decay_began"] is not None and a["steps"] < 80  # a plateau was found and the run ended early
     assert (b["decay_began"], b["steps"], b["selected_step"]) == (a["decay_began"], a["steps"], a["selected_step"])
