@@ -5,16 +5,14 @@ minutes or more (budget.COMPILE_PAYS_AFTER_SECONDS), so a job on several GPUs ta
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from test_distributed import LOSS_RTOL, WEIGHT_ATOL, history, tracking, two_ranks, weights
-from test_resume_kill import ROOT, tiny_project
+from test_distributed import LOSS_RTOL, WEIGHT_ATOL, history, tracking, train_stage, weights
+from test_resume_kill import tiny_project
 
 pytestmark = [pytest.mark.slow, pytest.mark.spawns]
 
@@ -31,12 +29,7 @@ def train_run(tmp: Path, name: str, on_two_ranks: bool, **train) -> Path:
     params["model"]["dropout"] = 0.0  # compiled code draws dropout masks differently
     (base / "params.yaml").write_text(yaml.safe_dump(params))
     env = dict(tracking(tmp), TORCHINDUCTOR_CACHE_DIR=str(base / "inductor"))
-    if on_two_ranks:
-        two_ranks(base, env)
-        return base
-    done = subprocess.run([sys.executable, "-m", "tasks.train", "--params", str(base / "params.yaml")], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    train_stage(base, env, on_two_ranks)
     return base
 
 

@@ -78,6 +78,16 @@ def two_ranks(base: Path, env: dict, *sets: str) -> str:
     return output
 
 
+def train_stage(base: Path, env: dict, on_two_ranks: bool) -> None:
+    """The train stage of `base`'s params on two ranks it starts itself, or in one process."""
+    if on_two_ranks:
+        two_ranks(base, env)
+        return
+    done = subprocess.run([sys.executable, "-m", "tasks.train", "--params", str(base / "params.yaml")], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+
 def tracking(tmp: Path) -> dict:
     return dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp / 'mlflow.db'}")
 
@@ -118,9 +128,7 @@ def single(tmp_path_factory, parent) -> Path:
     tmp = tmp_path_factory.mktemp("single")
     base = tiny_project(tmp, "single")
     configure(base, **warm(parent))  # 2 × 4 windows per step, as two ranks of 4 read them
-    done = subprocess.run([sys.executable, "-m", "tasks.train", "--params", str(base / "params.yaml")],
-                          cwd=ROOT, env=tracking(tmp), capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
+    train_stage(base, tracking(tmp), on_two_ranks=False)
     return base
 
 

@@ -7,16 +7,14 @@ batch, and takes the same path from there (within the backends' reduction-order 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 
-from test_distributed import LOSS_RTOL, WEIGHT_ATOL, history, tracking, two_ranks, weights
-from test_resume_kill import ROOT, tiny_project
+from test_distributed import LOSS_RTOL, WEIGHT_ATOL, history, tracking, train_stage, weights
+from test_resume_kill import tiny_project
 
 pytestmark = [pytest.mark.slow, pytest.mark.spawns]
 
@@ -36,12 +34,7 @@ def plateau_run(tmp: Path, name: str, on_two_ranks: bool, **train) -> Path:
     params["model"]["dropout"] = 0.0  # dropout masks are per process
     (base / "params.yaml").write_text(yaml.safe_dump(params))
     env = tracking(tmp)
-    if on_two_ranks:
-        two_ranks(base, env)
-        return base
-    done = subprocess.run([sys.executable, "-m", "tasks.train", "--params", str(base / "params.yaml")], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    train_stage(base, env, on_two_ranks)
     return base
 
 
