@@ -403,13 +403,22 @@ class Killed(Exception):
     """The process dies here."""
 
 
-def test_a_run_killed_after_going_back_resumes_on_the_path_it_took(tmp_path):
-    whole = plateau_trainer(tmp_path / "whole", 200, PLATEAU)
-    whole.fit()
+def die():
+    raise Killed()
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> Trainer:
+    """PLATEAU's run, not interrupted."""
+    trainer = plateau_trainer(tmp_path_factory.mktemp("whole"), 200, PLATEAU)
+    trainer.fit()
+    return trainer
+
+
+def test_a_run_killed_after_going_back_resumes_on_the_path_it_took(tmp_path, whole):
     killed = plateau_trainer(tmp_path / "killed", 200, PLATEAU)
     train_step = killed.train_step
-    killed.train_step = lambda: (_ for _ in ()).throw(Killed()) if killed.step == 70 and killed.cfg.max_steps == 75 \
-        else train_step()
+    killed.train_step = lambda: die() if killed.step == 70 and killed.cfg.max_steps == 75 else train_step()
     with pytest.raises(Killed):
         killed.fit()
     resumed = plateau_trainer(tmp_path / "killed", 200, PLATEAU[4:])
@@ -417,11 +426,9 @@ def test_a_run_killed_after_going_back_resumes_on_the_path_it_took(tmp_path):
     assert resumed.fit().step == 75 and same_weights(resumed, whole)
 
 
-def test_a_run_killed_as_it_found_a_plateau_goes_back_when_resumed(tmp_path):
-    whole = plateau_trainer(tmp_path / "whole", 200, PLATEAU)
-    whole.fit()
+def test_a_run_killed_as_it_found_a_plateau_goes_back_when_resumed(tmp_path, whole):
     killed = plateau_trainer(tmp_path / "killed", 200, PLATEAU)
-    killed.checkpoints.best = lambda: (_ for _ in ()).throw(Killed())  # dies as it reads the best checkpoint
+    killed.checkpoints.best = die  # dies as it reads the best checkpoint
     with pytest.raises(Killed):
         killed.fit()
     resumed = plateau_trainer(tmp_path / "killed", 200, PLATEAU[4:])

@@ -390,13 +390,15 @@ class Trainer:
         """Whether train.decay_patience validation passes in a row have not improved on the best while a WSD
         schedule still holds its peak, and the run reads its corpus again (within the first epoch the validation
         loss has no repeats to overfit to: a pass without gain there is noise or a spike, not a plateau). The main
-        rank decides for all."""
+        rank decides for all (a run where it cannot apply asks no collective: every rank knows that alike)."""
+        cfg = self.cfg
+        if cfg.decay_patience is None or cfg.schedule != "wsd" or self.counters.decay_began is not None:
+            return False
         return bool(self.dist.share(self._main_sees_plateau() if self.dist.is_main else None))
 
     def _main_sees_plateau(self) -> bool:
         cfg, counters = self.cfg, self.counters
-        return (cfg.decay_patience is not None and cfg.schedule == "wsd" and counters.decay_began is None
-                and counters.evals_without_gain >= cfg.decay_patience and self.loader.order.epoch >= 1
+        return (counters.evals_without_gain >= cfg.decay_patience and self.loader.order.epoch >= 1
                 and counters.best_step is not None and counters.best_step > cfg.warmup_steps
                 and lr_factor(self.step, cfg) == 1.0)
 
