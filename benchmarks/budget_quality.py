@@ -21,9 +21,10 @@ the seconds, at most the README's 2000. It runs where the train stage runs: on t
 
 --match 2min: the baseline trains for 2 minutes on each corpus and every budget of ours is compared with that score
 (time to quality). --grid trains once per optimizer × schedule (AdamW, Muon, Lion × cosine, WSD) at the same budget.
---workdir DIR keeps the prepared copies in DIR (else a temporary folder) and reuses one whose corpus, data-side params
-and data-side code (the module closures of the validate, tokenizer and prepare stages, params.yaml and
-constitution.yaml) are those that made it, refreshing its training code from this checkout. So a machine without
+--workdir DIR keeps the prepared copies in DIR (else a temporary folder) and reuses one whose corpus, data-side params,
+data-side code (the module closures of the validate, tokenizer and prepare stages, params.yaml and
+constitution.yaml) and sizing (for a time budget, or for equal steps) are those that made it, refreshing its training
+code from this checkout. So a machine without
 Great Expectations or DVC (a GPU image) can train on copies prepared elsewhere: it never runs the data-side stages.
 --prepare-only makes (or finds) the copies and the held-out texts in --workdir and trains nothing.
 --seeds 1337,1,2 runs each variant once per train.seed: at equal steps a run repeats to the last digit, so only other
@@ -260,10 +261,11 @@ def run_corpus(corpus: str, args, tmp: Path) -> list[dict]:
 
 def kept_project(directory: Path, train_text: str, budget: str | None, overrides: list[str]) -> Path:
     """A prepared copy of this project for `train_text` under `directory`: the one made from the same corpus,
-    data-side params and data-side code if it is there (its training code refreshed from this checkout), else a
-    new one. Its record is written last, so a copy whose preparation failed half-way is never reused."""
+    data-side params and data-side code, sized alike (for a time budget: vocabulary and model auto; for equal steps:
+    neither), if it is there (its training code refreshed from this checkout), else a new one. Its record is written
+    last, so a copy whose preparation failed half-way is never reused."""
     record = {"corpus_sha256": hashlib.sha256(train_text.encode("utf-8")).hexdigest(), "overrides": overrides,
-              "code": data_side_code()}
+              "code": data_side_code(), "sized_for_a_budget": budget is not None}
     home = directory / json_hash(record)
     marker = home / "prepared.json"
     if marker.is_file() and json.loads(marker.read_text()) == record:
