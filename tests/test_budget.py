@@ -3,6 +3,7 @@
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -295,16 +296,18 @@ def test_dropout_is_kept_where_the_law_predicts_it_pays_and_a_set_value_wins():
     discounted at DROPOUT_REPEAT_DECAY, are predicted to beat those without it by more than TIE: not for a few
     passes over the corpus, yes for many, never once a step with it costs too many tokens, and never less for more
     epochs. A number set in params.yaml is kept at any budget. All beside the base weight decay: beside the
-    repeated-text one (set, or planned for many epochs) dropout is never kept."""
+    repeated-text one (set, or planned for many epochs) a model below DROPOUT_AT_BOUND_PARAMS_PER_TOKEN never
+    keeps it (the next test: one above it does)."""
     assert Params(model=AUTO_SHAPE).model.dropout == 0.0
     auto, base = ModelConfig(size="auto"), sizing.WEIGHT_DECAY
-    few, many = (sizing.choose(auto, 512, 300_000, flops=f, weight_decay=base) for f in (1e12, 1e15))
+    few, many = (sizing.choose(auto, 512, 300_000, flops=f, weight_decay=base) for f in (1e12, 3e14))
     assert few.epochs < 2 < 10 < many.epochs
     assert (few.dropout, many.dropout) == (0.0, sizing.DROPOUT)
     for decay in (None, sizing.REPEATED_WEIGHT_DECAY):  # null: many epochs plan the repeated-text decay
-        assert sizing.choose(auto, 512, 300_000, flops=1e15, weight_decay=decay).dropout == 0.0
-    assert many.tokens == pytest.approx(1e15 / many.flops_per_token)  # a FLOPs budget: dropout costs no tokens
-    undropped = sizing.choose(ModelConfig(size="auto", dropout=0.0), 512, 300_000, flops=1e15)
+        beside = sizing.choose(auto, 512, 300_000, flops=1e14, weight_decay=decay)
+        assert beside.epochs > 5 and beside.non_embedding_params > 10 * 300_000 and beside.dropout == 0.0
+    assert many.tokens == pytest.approx(3e14 / many.flops_per_token)  # a FLOPs budget: dropout costs no tokens
+    undropped = sizing.choose(ModelConfig(size="auto", dropout=0.0), 512, 300_000, flops=3e14)
     assert undropped.shape == many.shape and undropped.dropout == 0.0
     slower = sizing.with_dropout(undropped, 300_000, slowdown=1.25, weight_decay=base)
     assert sizing.with_dropout(undropped, 300_000, slowdown=1.25).dropout == 0.0  # null: the repeated decay
@@ -321,10 +324,10 @@ def test_dropout_is_kept_where_the_law_predicts_it_pays_and_a_set_value_wins():
     assert not any(sizing.dropout_pays(small, e * 300_000, e * 300_000, 300_000) for e in (2, 10, 100))
     assert sizing.dropout_pays(small, 10 * 300_000, 10 * 300_000, 300_000, min_params_per_token=0.0)
     for level in (0.0, 0.2):
-        assert sizing.choose(ModelConfig(size="auto", dropout=level), 512, 300_000, flops=1e15).dropout == level
+        assert sizing.choose(ModelConfig(size="auto", dropout=level), 512, 300_000, flops=3e14).dropout == level
         assert sizing.choose(ModelConfig(size="auto", dropout=level), 512, 300_000, flops=1e12).dropout == level
-    model, _ = apply_plan(Plan("1e15flops", 10, 1, 64, 1, sizing=many.to_dict()), auto,
-                          TrainConfig(budget="1e15flops", weight_decay=base))
+    model, _ = apply_plan(Plan("3e14flops", 10, 1, 64, 1, sizing=many.to_dict()), auto,
+                          TrainConfig(budget="3e14flops", weight_decay=base))
     assert model.dropout == many.dropout and model.resolved and "dropout 0.1" in many.explain()
     old = {k: v for k, v in many.to_dict().items() if k != "dropout"}  # a plan recorded before dropout was sized
     assert "dropout" not in sizing.Sizing.from_dict(old).explain()
@@ -403,6 +406,35 @@ def test_the_repeated_texts_weight_decay_starts_where_the_measured_cells_fit():
     assert {c.repeated < c.base for c in WEIGHT_DECAY_CELLS} == {True, False}
 
 
+def test_a_model_at_the_bound_keeps_more_dropout_beside_the_repeated_texts_decay():
+    """Beside the repeated-text decay a model of DROPOUT_AT_BOUND_PARAMS_PER_TOKEN or more (a budget large beside
+    its corpus: the law's pick near its bound) keeps DROPOUT_AT_BOUND whatever its slowdown costs, and its tokens
+    stop at dropout's later saturation; one just below keeps none; beside the base decay the law decides as
+    before. The threshold is the one the runs fit, and every pair at the bound measured better with dropout."""
+    from ultrathink.train.sizing_evidence import DROPOUT_AT_BOUND, dropout_at_bound_threshold
+
+    threshold, unique = sizing.DROPOUT_AT_BOUND_PARAMS_PER_TOKEN, 300_000
+    assert threshold == dropout_at_bound_threshold() == 34 and sizing.DROPOUT_AT_BOUND == 0.2
+    assert all(d < u for pair in DROPOUT_AT_BOUND for d, u in zip(pair.dropped, pair.undropped))
+    assert min(pair.params_per_token for pair in DROPOUT_AT_BOUND) > threshold
+
+    undropped = sizing.choose(ModelConfig(size="auto", dropout=0.0), 512, unique, flops=1e16)
+    assert undropped.non_embedding_params > threshold * unique and undropped.dropout == 0.0
+    repeated = sizing.REPEATED_WEIGHT_DECAY
+    kept = sizing.with_dropout(undropped, unique, slowdown=1.5, weight_decay=repeated)
+    assert kept.dropout == sizing.DROPOUT_AT_BOUND and kept.tokens == pytest.approx(undropped.tokens / 1.5)
+    assert sizing.with_dropout(undropped, unique, slowdown=10.0, weight_decay=repeated).dropout == 0.2  # any cost
+    assert sizing.with_dropout(undropped, unique, weight_decay=None).dropout == 0.2  # null: many epochs, 1.0
+    below = replace(undropped, non_embedding_params=int(0.99 * threshold * unique))
+    assert sizing.with_dropout(below, unique, weight_decay=repeated).dropout == 0.0
+    assert sizing.with_dropout(undropped, unique, weight_decay=sizing.WEIGHT_DECAY).dropout == sizing.DROPOUT
+
+    chosen = sizing.choose(ModelConfig(size="auto"), 512, unique, flops=1e16)  # null dropout, null decay
+    assert chosen.shape == undropped.shape and chosen.dropout == sizing.DROPOUT_AT_BOUND
+    saturating = sizing.saturating_tokens(chosen.non_embedding_params, unique, sizing.DROPOUT_REPEAT_DECAY)
+    assert chosen.tokens == pytest.approx(saturating) and chosen.tokens > 2.5 * undropped.tokens
+
+
 def test_dropout_is_not_weighed_beside_the_repeated_texts_decay_where_the_runs_say_so():
     """Where dropout paid beside the base decay (10 minutes on two corpora), the repeated-text decay alone
     measured better than with dropout added, and better than dropout beside the base decay: so the plan weighs
@@ -418,7 +450,8 @@ def test_a_time_plan_probes_dropout_where_it_could_pay_and_keeps_it_only_if_it_d
     pay were it free, its step at that shape is probed and the law decides at the measured slowdown; the run's
     steps then come from the probe of what was chosen. A dropout set in params.yaml is probed from the first probe
     on, and a budget too short for dropout to pay probes none. All beside the base weight decay: where the plan
-    picks the repeated-text decay (null, many epochs) dropout is not weighed, so not probed."""
+    picks the repeated-text decay (null, many epochs) dropout is weighed only for a model at the bound's end
+    (DROPOUT_AT_BOUND_PARAMS_PER_TOKEN or more), and there kept, at DROPOUT_AT_BOUND."""
     def planned(model_cfg, budget="20s", cost=0.1, weight_decay=sizing.WEIGHT_DECAY):
         train_cfg = TrainConfig(budget=budget, batch_size=None, precision="fp32", attention="torch", eval_batches=2,
                                 weight_decay=weight_decay)
@@ -451,9 +484,11 @@ def test_a_time_plan_probes_dropout_where_it_could_pay_and_keeps_it_only_if_it_d
     assert kept.sizing["dropout"] == 0.0 and set(probed) == {0.0}
     set_high, probed = planned(ModelConfig(size="auto", dropout=0.2))
     assert set_high.sizing["dropout"] == 0.2 and set(probed) == {0.2}
-    decayed, probed = planned(ModelConfig(size="auto"), weight_decay=None)
-    assert decayed.weight_decay == sizing.REPEATED_WEIGHT_DECAY and decayed.sizing["dropout"] == 0.0
-    assert set(probed) == {0.0} and decayed.sizing["shape"] == plan.sizing["shape"]
+    decayed, probed = planned(ModelConfig(size="auto"), weight_decay=None)  # 70 parameters per token
+    assert decayed.weight_decay == sizing.REPEATED_WEIGHT_DECAY
+    assert decayed.sizing["dropout"] == sizing.DROPOUT_AT_BOUND == probed[-1] and set(probed[:-1]) == {0.0}
+    assert decayed.sizing["shape"] == plan.sizing["shape"]
+    assert decayed.sizing["non_embedding_params"] > sizing.DROPOUT_AT_BOUND_PARAMS_PER_TOKEN * 20_000
 
 
 def test_auto_vocabulary_follows_the_corpus_size(tmp_path):
@@ -633,7 +668,7 @@ def test_train_stage_spends_a_budget_records_the_plan_and_reuses_it(tmp_path, mo
     assert plan["probe"]["step_seconds"] > 0 and plan["max_steps"] == summary["steps"]
     config = json.loads((project / "artifacts/model/config.json").read_text())["model"]
     assert {k: config[k] for k in sizing.SHAPE_KEYS} == plan["sizing"]["shape"]
-    assert config["dropout"] == plan["sizing"]["dropout"] in (0.0, sizing.DROPOUT)
+    assert config["dropout"] == plan["sizing"]["dropout"] in (0.0, sizing.DROPOUT, sizing.DROPOUT_AT_BOUND)
     run = client_for(project).search_runs([client_for(project).get_experiment_by_name("ultrathink").experiment_id])[0]
     assert run.data.params["plan.max_steps"] == str(plan["max_steps"])
     assert run.data.params["train.budget"] == "6s" and run.data.params["model.size"] == "auto"

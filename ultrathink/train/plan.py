@@ -490,9 +490,10 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
                 undropped_step = probes[-1][1][2].step_seconds
                 probe_unless_last(*_sized(model_cfg, train_cfg, sized))
                 slowdown = probes[-1][1][2].step_seconds / undropped_step
+                level = sized.dropout
                 sized = sizing.with_dropout(sized, corpus, slowdown, weight_decay)  # tokens: those without dropout
                 log.info("model.dropout null: a step with dropout %g measured %.2f× as long at this shape; %s",
-                         sizing.DROPOUT, slowdown, "kept" if sized.dropout else "predicted not to pay: 0")
+                         level, slowdown, "kept" if sized.dropout else "predicted not to pay: 0")
         else:
             sized = sizing.choose(model_cfg, vocab_size, corpus, batch_size=train_cfg.batch_size,
                                   weight_decay=weight_decay,

@@ -32,7 +32,10 @@ are fitted to runs side by side (sizing_evidence.py): the 2-minute models (1–6
 predicts) 0.04 worse, the 10-minute ones (10 and 21 per token, 7–9 epochs) 0.07–0.11 better, where without it 10
 minutes measured worse than 2. Dropout is weighed only beside a weight decay below REPEATED_WEIGHT_DECAY: the
 plan gives a run of many epochs that decay (train.weight_decay null, weight_decay_for), and at 10 minutes on two
-corpora the decay alone then measured better than with dropout added (sizing_evidence.DROPOUT_OVER_DECAY).
+corpora the decay alone then measured better than with dropout added (sizing_evidence.DROPOUT_OVER_DECAY). Beside
+that decay only a model of many parameters per unique token (DROPOUT_AT_BOUND_PARAMS_PER_TOKEN, about half the
+bound and more: where a budget is large beside its corpus) keeps dropout, and more of it (DROPOUT_AT_BOUND):
+there the runs read the corpus 10-19 times and dropout 0.2 measured 0.04-0.11 bits/byte better.
 
 The batch is the one that gives about TARGET_STEPS optimizer steps (a power of two of sequences, at least
 MIN_BATCH): small budgets need many small steps more than large batches. The learning rate is train.lr's.
@@ -78,6 +81,14 @@ DROPOUT_REPEAT_DECAY = 15.4
 # 0.3M tokens, 7 epochs, dropout 1.26× slower: 0.04 bits/byte worse; sizing_evidence.dropout_threshold). At R* 5
 # the law's 5-minute tiny Shakespeare shape is d256 × 3 (4.5 per token), where dropout measured better.
 DROPOUT_MIN_PARAMS_PER_TOKEN = 3.7
+# Beside the repeated-text decay, a model of at least this many non-embedding parameters per unique training token
+# (the law's pick when a budget is large beside its corpus: a GPU's minutes, a small corpus on a CPU) trains with
+# DROPOUT_AT_BOUND, and no smaller one with any: at 53-66 per token 0.2 measured 0.04-0.11 bits/byte better than
+# none on two slices at two seeds, and on an H200 0.018 better (0.1 there 0.019 worse, one seed); beside the same
+# decay 0.1 measured worse at 10 and 21 per token (sizing_evidence.DROPOUT_AT_BOUND, .DROPOUT_OVER_DECAY). The
+# threshold is the geometric middle of that gap (sizing_evidence.dropout_at_bound_threshold).
+DROPOUT_AT_BOUND = 0.2
+DROPOUT_AT_BOUND_PARAMS_PER_TOKEN = 34.0
 # Predicted losses this close (relative) are a tie: the fit cannot tell them apart, and a measured throughput that
 # moves with the machine's load would otherwise pick either. A tie goes to the cheaper shape (fewer FLOPs per
 # token, then fewer parameters): more steps in the same budget.
@@ -300,14 +311,19 @@ def with_dropout(sized: "Sizing", corpus_tokens: int, slowdown: float = 1.0,
     """`sized` (its tokens at the step speed without dropout) with model.dropout null decided: DROPOUT where it pays
     when a step with it takes `slowdown`× as long, its tokens and epochs then those of the dropped run; else 0. A
     slowdown of 1 (dropout free) is the most it can pay: a time budget measures the real one (a step with dropout
-    does more work, so a measured slowdown below 1 is noise and counts as 1). Never beside a weight decay of
-    REPEATED_WEIGHT_DECAY or more (`weight_decay`: train.weight_decay's; null: weight_decay_for the sized epochs):
-    that decay regularises the repeated text instead, and dropout on top of it measured no better where dropout
-    had paid beside the base decay (sizing_evidence.DROPOUT_OVER_DECAY)."""
+    does more work, so a measured slowdown below 1 is noise and counts as 1). Beside a weight decay of
+    REPEATED_WEIGHT_DECAY or more (`weight_decay`: train.weight_decay's; null: weight_decay_for the sized epochs)
+    that decay regularises the repeated text instead: dropout on top of it measured no better where dropout had
+    paid beside the base decay (sizing_evidence.DROPOUT_OVER_DECAY), so there only a model of
+    DROPOUT_AT_BOUND_PARAMS_PER_TOKEN or more keeps dropout, DROPOUT_AT_BOUND, at the tokens its slowdown leaves
+    (decided by those runs, not by the law: its repeat discount for dropout was fitted beside the base decay)."""
     decay = weight_decay_for(sized.epochs) if weight_decay is None else weight_decay
     dropped = sized.tokens / max(1.0, slowdown)
-    if decay >= REPEATED_WEIGHT_DECAY or not dropout_pays(sized.non_embedding_params, sized.tokens, dropped,
-                                                          corpus_tokens):
+    if decay >= REPEATED_WEIGHT_DECAY:
+        if sized.non_embedding_params < DROPOUT_AT_BOUND_PARAMS_PER_TOKEN * corpus_tokens:
+            return replace(sized, dropout=0.0)
+        return replace(sized, dropout=DROPOUT_AT_BOUND, tokens=dropped, epochs=dropped / corpus_tokens)
+    if not dropout_pays(sized.non_embedding_params, sized.tokens, dropped, corpus_tokens):
         return replace(sized, dropout=0.0)
     return replace(sized, dropout=DROPOUT, tokens=dropped, epochs=dropped / corpus_tokens)
 

@@ -448,10 +448,50 @@ class DropoutOverDecay:
     undropped: float  # bits per byte: sizing.REPEATED_WEIGHT_DECAY, dropout 0
     dropped: float  # sizing.REPEATED_WEIGHT_DECAY and sizing.DROPOUT
     base_dropped: float  # sizing.WEIGHT_DECAY and sizing.DROPOUT: what the rule kept before the decay was planned
+    params_per_token: float  # the shape's non-embedding parameters per unique training token
 
 
 # 2026-11-26, eleventh session, the same machine, bf16, `--budget 10min --variant nodrop=model.dropout=0`.
 DROPOUT_OVER_DECAY: tuple[DropoutOverDecay, ...] = (
-    DropoutOverDecay("tiny Shakespeare", "d320x4, 838 steps; with dropout 601", 2.1118, 2.1262, 2.1385),
-    DropoutOverDecay("Pride, ntoll's copy", "d320x5, 1325 steps; with dropout 497", 1.5951, 1.5993, 1.6040),
+    DropoutOverDecay("tiny Shakespeare", "d320x4, 838 steps; with dropout 601", 2.1118, 2.1262, 2.1385,
+                     5_082_432 / SHAKESPEARE),
+    DropoutOverDecay("Pride, ntoll's copy", "d320x5, 1325 steps; with dropout 497", 1.5951, 1.5993, 1.6040,
+                     6_352_960 / PRIDE_NTOLL),
 )
+
+
+@dataclass(frozen=True)
+class DropoutAtBound:
+    """The law's pick where a budget is large beside its corpus (its parameters per unique token near the bound,
+    sizing.MEASURED_PARAMS_PER_TOKEN), trained with the repeated-text decay without dropout and with
+    sizing.DROPOUT_AT_BOUND (`--set model.dropout=0.2`: the plan re-sized it with dropout's repeat discount), one
+    pair per seed. `params_per_token`: the fewest of the pair's shapes."""
+    corpus: str
+    where: str
+    params_per_token: float
+    undropped: tuple[float, ...]  # held-out bits per byte, one per seed
+    dropped: tuple[float, ...]  # the same seeds
+
+
+# 2026-11-28, twenty-fifth session: the slices of the sweeps above at 2 minutes (seeds 1337 and 1; with dropout the
+# plan chose d256 x 4, 53 per token, at seed 1337 and d256 x 5, 66, at seed 1 on the Shakespeare slice; d320 x 4
+# both times on WikiText-2), and one seed on an H200, tiny Shakespeare whole at 2 minutes (d576 x 8 both).
+DROPOUT_AT_BOUND: tuple[DropoutAtBound, ...] = (
+    DropoutAtBound("tiny Shakespeare, first 100 KB", ZEN5, 2_951_936 / 55_697, (2.2923, 2.2809), (2.1876, 2.1689)),
+    DropoutAtBound("WikiText-2 valid+test, first 150 KB", ZEN5, 5_082_432 / 79_201, (2.4310, 2.4047),
+                   (2.3666, 2.3639)),
+    DropoutAtBound("tiny Shakespeare", "one NVIDIA H200, bf16", 31_861_312 / SHAKESPEARE, (2.1887,), (2.1704,)),
+)
+
+
+def dropout_at_bound_threshold(paid: tuple[DropoutAtBound, ...] = DROPOUT_AT_BOUND,
+                               erred: tuple[DropoutOverDecay, ...] = DROPOUT_OVER_DECAY) -> float:
+    """Parameters per unique token from which dropout is kept beside the repeated-text decay: the geometric middle
+    (2 figures) of the gap between the most at which dropout beside it measured worse and the fewest at which it
+    measured better at every seed. Raises where the runs do not separate."""
+    worse = max(c.params_per_token for c in erred if c.dropped > c.undropped)
+    better = min(c.params_per_token for c in paid if all(d < u for d, u in zip(c.dropped, c.undropped)))
+    if worse >= better:
+        raise ValueError(f"dropout beside the repeated-text decay measured worse at {worse:.1f} parameters per token "
+                         f"and better at {better:.1f}: no threshold separates them")
+    return sizing.round_figures(math.sqrt(worse * better))
