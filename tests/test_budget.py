@@ -417,6 +417,11 @@ def test_a_model_at_the_bound_keeps_more_dropout_beside_the_repeated_texts_decay
     assert threshold == dropout_at_bound_threshold() == 34 and sizing.DROPOUT_AT_BOUND == 0.2
     assert all(d < u for pair in DROPOUT_AT_BOUND for d, u in zip(pair.dropped, pair.undropped))
     assert min(pair.params_per_token for pair in DROPOUT_AT_BOUND) > threshold
+    loss_at_the_bound = (replace(DROPOUT_AT_BOUND[0], dropped=DROPOUT_AT_BOUND[0].undropped),)  # no longer better
+    rest = dropout_at_bound_threshold(DROPOUT_AT_BOUND[1:])
+    assert dropout_at_bound_threshold(DROPOUT_AT_BOUND[1:] + loss_at_the_bound) == rest > threshold  # left out
+    with pytest.raises(ValueError, match="no threshold separates them"):  # better only below where it was worse
+        dropout_at_bound_threshold((replace(DROPOUT_AT_BOUND[1], params_per_token=20.0),))
 
     undropped = sizing.choose(ModelConfig(size="auto", dropout=0.0), 512, unique, flops=1e16)
     assert undropped.non_embedding_params > threshold * unique and undropped.dropout == 0.0

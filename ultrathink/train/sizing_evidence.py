@@ -403,10 +403,15 @@ def dropout_threshold(repeat_decay: float, dropout_decay: float, sweeps: tuple[S
              if s.dropout_measured_better(repeat_decay) is False
              and s.dropout_regret(repeat_decay, dropout_decay, 0.0) > 0]
     paid = [s.params_per_token(repeat_decay) for s in sweeps if s.dropout_measured_better(repeat_decay)]
-    worse, better = max(erred, default=0.0), min(paid)
+    return _middle_of_gap(max(erred, default=0.0), min(paid), "the law kept dropout that")
+
+
+def _middle_of_gap(worse: float, better: float, who: str) -> float:
+    """The geometric middle (2 figures) of the parameters per token between `worse`, the most at which dropout
+    measured worse, and `better`, the fewest at which it measured better; raises where they do not separate."""
     if worse >= better:
-        raise ValueError(f"the law kept dropout that measured worse at {worse:.1f} parameters per token, and it "
-                         f"measured better at {better:.1f}: no threshold separates them")
+        raise ValueError(f"{who} measured worse at {worse:.1f} parameters per token, and better at {better:.1f}: "
+                         f"no threshold separates them")
     return sizing.round_figures(math.sqrt(worse * better))
 
 
@@ -493,9 +498,6 @@ def dropout_at_bound_threshold(paid: tuple[DropoutAtBound, ...] = DROPOUT_AT_BOU
     """Parameters per unique token from which dropout is kept beside the repeated-text decay: the geometric middle
     (2 figures) of the gap between the most at which dropout beside it measured worse and the fewest at which it
     measured better at every seed. Raises where the runs do not separate."""
-    worse = max(c.params_per_token for c in erred if c.dropped > c.undropped)
-    better = min(c.params_per_token for c in paid if all(d < u for d, u in zip(c.dropped, c.undropped)))
-    if worse >= better:
-        raise ValueError(f"dropout beside the repeated-text decay measured worse at {worse:.1f} parameters per token "
-                         f"and better at {better:.1f}: no threshold separates them")
-    return sizing.round_figures(math.sqrt(worse * better))
+    return _middle_of_gap(max(c.params_per_token for c in erred if c.dropped > c.undropped),
+                          min(c.params_per_token for c in paid if all(d < u for d, u in zip(c.dropped, c.undropped))),
+                          "dropout beside the repeated-text decay")
