@@ -80,7 +80,9 @@ WARM_UP, TIMED, WINDOWS = 30, 60, 3
 
 def train_and_score(project: Path, held_out: Path, budget: str, overrides: list[str]) -> dict:
     """A fresh train stage (no checkpoint or plan of an earlier run), then what `ultrathink eval --model
-    artifacts/model --text-file held_out` computes."""
+    artifacts/model --text-file held_out` computes; `wall_seconds`: all of it, the stage's start, probes and scoring
+    included (what a device call must leave time for)."""
+    started = time.perf_counter()
     for stale in ("artifacts/checkpoints", "artifacts/model", "plans"):
         shutil.rmtree(project / stale, ignore_errors=True)
     limit = (["train.budget=null", f"train.max_steps={budget.removesuffix('steps')}"] if budget.endswith("steps")
@@ -105,7 +107,7 @@ def train_and_score(project: Path, held_out: Path, budget: str, overrides: list[
             "tokens": summary["steps"] * summary["plan"]["tokens_per_step"], "shape": asdict(shape),
             "dropout": model.dropout, "weight_decay": summary["plan"].get("weight_decay"),
             "sizing": sizing_line.split("model.size auto:")[-1].split(" — ")[0].strip(),
-            "measured": plan["sizing"].get("measured", [])}
+            "measured": plan["sizing"].get("measured", []), "wall_seconds": time.perf_counter() - started}
 
 
 class CharBaseline:
@@ -295,6 +297,8 @@ def row_line(row: dict) -> str:
     seed = f" seed {row['seed']}" if row.get("seed") is not None else ""
     line = (f"{row['corpus']:>12} {row['budget']:>6} {row['variant']:>14}{seed}  ours {ours['bpb']:.4f} "
             f"({ours['seconds']:.0f} s, {ours['steps']} steps, {ours['params'] / 1e6:.2f}M")
+    if ours.get("wall_seconds") is not None:
+        line += f"; {ours['wall_seconds']:.0f} s in all"
     if ours.get("decay_began") is not None:
         line += f"; a plateau at step {ours['decay_began']} began the decay"
     if ours.get("selected_step") not in (None, ours["steps"]):
