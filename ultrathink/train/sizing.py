@@ -72,8 +72,9 @@ MEASURED_PARAMS_PER_TOKEN = 64.0
 TOKENS_PER_PARAM = 20  # Chinchilla's compute-optimal ratio, used when the budget is in tokens
 # More steps at the same tokens measured no better on a CPU (benchmarks/README.md, twenty-sixth session): 2000 at 2
 # minutes scored 0.010 worse on tiny Shakespeare and 0.084 worse on Pride, where validation plateaued at step 1000
-# and the runs ended after 52-71 s; half the batch on the 100-150 KB slices (the model at the bound) 0.029 worse on
-# both. On an H200 at the bound, batch 8 beat this rule's 16 by 0.074 on tiny Shakespeare (one pair, not adopted).
+# and the runs ended after 52-71 s; on the 100-150 KB slices (the model at the bound) half the batch 0.029 worse on
+# both, four times it 0.019-0.049 worse. On an H200 at the bound, batch 8 beat this rule's 16 by 0.074 on tiny
+# Shakespeare (one pair, not adopted).
 TARGET_STEPS = 1000
 # model.dropout null under size auto: the level tried (0.2 was never clearly better than 0.1 where dropout paid,
 # benchmarks/README.md), and R*_D with it — fitted to runs with and without it, together with the threshold below
