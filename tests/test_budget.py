@@ -89,6 +89,21 @@ def test_compile_auto_compiles_once_the_measured_eager_run_outlasts_what_a_compi
     assert (plans["cuda"].compile, plans["cpu"].compile) == (True, False)
 
 
+def test_a_plan_on_a_gpu_sizes_its_batch_for_twice_the_steps():
+    """A small model's step on a GPU takes about as long at half the batch (an H200: 63 against 62 ms), and half the
+    batch measured better there at 2 minutes (benchmarks/README.md): the same budget and shape get half the batch
+    and twice the steps there. Any other device type is planned as a CPU is."""
+    assert [sizing.target_steps_for(device) for device in ("cuda", "cuda:1", "cpu", "mps")] == [2000, 2000, 1000, 1000]
+    train_cfg = TrainConfig(budget="1e15flops", batch_size=None, precision="fp32", attention="torch", compile=False)
+    plans = {device: decide(ModelConfig(size="auto", dropout=0.0), train_cfg, 64, _stream(200_000), device, 1, None,
+                            lambda *_: pytest.fail("a FLOPs budget without compile auto probes nothing"))
+             for device in ("cuda", "cpu")}
+    gpu, cpu = plans["cuda"].sizing, plans["cpu"].sizing
+    assert (gpu["shape"], gpu["tokens"]) == (cpu["shape"], cpu["tokens"])
+    assert (gpu["batch_size"], cpu["batch_size"]) == (8, 16)
+    assert plans["cuda"].max_steps == pytest.approx(2 * plans["cpu"].max_steps, abs=1)
+
+
 def test_warmup_follows_the_steps_when_given_as_a_fraction():
     assert warmup_for(400, TrainConfig(warmup_fraction=0.05)) == 20
     assert warmup_for(400, TrainConfig(warmup_steps=30)) == 30
