@@ -437,7 +437,7 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
                 fixed = model_cfg if shape_keys is None else model_cfg.model_copy(update=shape_keys)
                 return sizing.choose(fixed, vocab_size, corpus, seconds=max(1.0, budget.amount - spent()), cost=cost,
                                      batch_size=train_cfg.batch_size, weight_decay=weight_decay,
-                                     below_params=ceiling, target_steps=sizing.target_steps_for(device))
+                                     below_params=ceiling, device=device)
 
             def probe_sized(sized: Sizing, why: str) -> bool | None:
                 """Probe `sized` (without dropout), add it to `probed` and fit the step cost to it: True; False
@@ -496,7 +496,7 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
                          level, slowdown, "kept" if sized.dropout else "predicted not to pay: 0")
         else:
             sized = sizing.choose(model_cfg, vocab_size, corpus, batch_size=train_cfg.batch_size,
-                                  weight_decay=weight_decay, target_steps=sizing.target_steps_for(device),
+                                  weight_decay=weight_decay, device=device,
                                   **{"flops" if budget.kind == "flops" else "tokens": budget.amount})
         model_cfg, train_cfg = _sized(model_cfg, train_cfg, sized)
     tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * model_cfg.seq_len  # the global batch

@@ -37,9 +37,10 @@ that decay only a model of many parameters per unique token (DROPOUT_AT_BOUND_PA
 bound and more: where a budget is large beside its corpus) keeps dropout, and more of it (DROPOUT_AT_BOUND):
 there the runs read the corpus 10-19 times and dropout 0.2 measured 0.04-0.11 bits/byte better.
 
-The batch is the one that gives about TARGET_STEPS optimizer steps for the device type (a power of two of sequences,
-at least MIN_BATCH): small budgets need many small steps more than large batches; on a GPU, whose step at these
-sizes takes about as long at half the batch, twice the steps. The learning rate is train.lr's.
+The batch is the one that gives about TARGET_STEPS optimizer steps (a power of two of sequences, at least
+MIN_BATCH): small budgets need many small steps more than large batches. A budget that buys more tokens than its
+model can use (saturated) has seconds to spare: on a GPU, whose step at these sizes takes about as long at half the
+batch, they buy twice the steps (SATURATED_STEPS). The learning rate is train.lr's.
 
 The absolute losses of the fit mean nothing for our tokenizer; only where its minimum lies is used. A FLOPs budget
 needs no measurement; a tokens budget fixes D, so N comes from Chinchilla's 20 tokens per parameter instead.
@@ -72,16 +73,19 @@ REPEAT_DECAY = 5.0
 # bound changes no pick on the sweeps; it stops the law where its evidence stops.
 MEASURED_PARAMS_PER_TOKEN = 64.0
 TOKENS_PER_PARAM = 20  # Chinchilla's compute-optimal ratio, used when the budget is in tokens
-# The optimizer steps a plan's batch is sized for (batch_for), by device type. A CPU: more steps at the same tokens
-# measured no better (benchmarks/README.md, twenty-sixth session): 2000 at 2 minutes scored 0.010 worse on tiny
-# Shakespeare and 0.084 worse on Pride, where validation plateaued at step 1000 and the runs ended after 52-71 s; on
-# the 100-150 KB slices (the model at the bound) half the batch 0.029 worse on both, four times it 0.019-0.049
-# worse. A GPU: a small model's step takes about as long at half the batch (an H200, d576 x 8: 63 against 62 ms), so
-# there twice the steps cost tokens, not seconds, and the runs at 2 minutes had plateaued with half their budget
-# unspent. Half the batch (2000 steps) measured better on an H200 at 2 minutes by 0.074 and 0.057 bits/byte on tiny
-# Shakespeare (seeds 1337, 1) and 0.055 on Pride (twenty-sixth and twenty-seventh sessions). Any other device type
-# goes by the CPU's.
-TARGET_STEPS = {"cpu": 1000, "cuda": 2000}
+# The optimizer steps a plan's batch is sized for (batch_for).
+TARGET_STEPS = 1000
+# ... and by device type, for a plan whose budget buys more tokens than its model can use (saturated: the rest of
+# the budget is spare). A CPU: more steps at the same tokens measured no better (benchmarks/README.md, twenty-sixth
+# session): 2000 at 2 minutes scored 0.010 worse on tiny Shakespeare and 0.084 worse on Pride, where validation
+# plateaued at step 1000 and the runs ended after 52-71 s; on the 100-150 KB slices (the model at the bound) half the
+# batch 0.029 worse on both, four times it 0.019-0.049 worse. A GPU: a small model's step takes about as long at
+# half the batch (an H200, d576 x 8: 63 against 62 ms), so there twice the steps cost tokens, not seconds, and the
+# saturated runs at 2 minutes had plateaued with half their budget unspent. Half the batch (2000 steps) measured
+# better on an H200 at 2 minutes by 0.074 and 0.057 bits/byte on tiny Shakespeare (seeds 1337, 1) and 0.055 on Pride
+# (twenty-sixth and twenty-seventh sessions). A plan the seconds bind (12 s on a GPU) would lose half its tokens:
+# unmeasured, so it keeps TARGET_STEPS. Any other device type goes by the CPU's.
+SATURATED_STEPS = {"cpu": 1000, "cuda": 2000}
 # model.dropout null under size auto: the level tried (0.2 was never clearly better than 0.1 where dropout paid,
 # benchmarks/README.md), and R*_D with it — fitted to runs with and without it, together with the threshold below
 # (sizing_evidence.fit_dropout).
@@ -393,12 +397,15 @@ def _cheapest_of_the_best(options: list, loss, cost):
     return min((o for o in options if loss(o) <= best * (1 + TIE)), key=lambda o: (*cost(o), loss(o)))
 
 
-def target_steps_for(device) -> int:
-    """The optimizer steps a plan on `device` sizes its batch for (TARGET_STEPS)."""
-    return TARGET_STEPS.get(device_type(device), TARGET_STEPS["cpu"])
+def target_steps_for(device, saturated: bool) -> int:
+    """The optimizer steps a plan on `device` sizes its batch for: TARGET_STEPS, or SATURATED_STEPS where its budget
+    buys more tokens than its model can use."""
+    if not saturated:
+        return TARGET_STEPS
+    return SATURATED_STEPS.get(device_type(device), SATURATED_STEPS["cpu"])
 
 
-def batch_for(tokens: float, seq_len: int, target_steps: int = TARGET_STEPS["cpu"]) -> int:
+def batch_for(tokens: float, seq_len: int, target_steps: int = TARGET_STEPS) -> int:
     sequences = max(MIN_BATCH, tokens / target_steps / seq_len)
     return 2 ** round(math.log2(sequences))
 
@@ -406,12 +413,12 @@ def batch_for(tokens: float, seq_len: int, target_steps: int = TARGET_STEPS["cpu
 def choose(model_cfg, vocab_size: int, corpus_tokens: int, *, flops: float | None = None,
            tokens: float | None = None, seconds: float | None = None, cost: StepCost | None = None,
            batch_size: int | None = None, weight_decay: float | None = None,
-           below_params: int | None = None, target_steps: int = TARGET_STEPS["cpu"]) -> Sizing:
+           below_params: int | None = None, device: str = "cpu") -> Sizing:
     """The shape for a budget of `flops` (compute), `tokens`, or `seconds` at `cost`, on a corpus of
     `corpus_tokens` training tokens; a compute or time budget's tokens then `saturated`, the batch sized for those.
     Shape keys of `model_cfg` that are set (not null) are kept; `weight_decay` (train.weight_decay's) has a say in
     dropout (with_dropout); `below_params` leaves out shapes of at least that many parameters (one that ran out of
-    the device's memory); `target_steps` sizes the batch (target_steps_for the device)."""
+    the device's memory); the batch is sized for the steps target_steps_for `device`."""
     fixed = {k: getattr(model_cfg, k) for k in SHAPE_KEYS if getattr(model_cfg, k) is not None}
     scored = []
     for shape in candidate_shapes(fixed):
@@ -433,8 +440,10 @@ def choose(model_cfg, vocab_size: int, corpus_tokens: int, *, flops: float | Non
     score, shape, params, non_embedding, per_token, seen = chosen
     runner = next((row for row in scored if row is not chosen), None)
     spent_on_need = tokens is None  # a compute or time budget, not a number of tokens the user asked for
-    trained = min(seen, saturating_tokens(non_embedding, corpus_tokens)) if spent_on_need else seen
-    batch = batch_size or batch_for(trained, shape.seq_len, target_steps)
+    saturating = saturating_tokens(non_embedding, corpus_tokens)
+    trained = min(seen, saturating) if spent_on_need else seen
+    spare = spent_on_need and seen > saturating  # the budget buys more than the model can use
+    batch = batch_size or batch_for(trained, shape.seq_len, target_steps_for(device, spare))
     sized = Sizing(shape, batch, params, non_embedding, per_token, seen, seen / corpus_tokens, score,
                    {"shape": asdict(runner[1]), "score": runner[0]} if runner else {}, model_cfg.dropout)
     if model_cfg.dropout is None:
