@@ -16,6 +16,7 @@ from ultrathink.tokenizer import auto_vocab_size, load_tokenizer, train_tokenize
 from ultrathink.train import sizing
 from ultrathink.train.budget import COMPILE_PAYS_AFTER_SECONDS, Probe, compile_pays, steps_for, warmup_for
 from ultrathink.train.loader import ContextWarmup
+from ultrathink.train import plan as plan_module
 from ultrathink.train.plan import Decided, Plan, apply_plan, decide, plan_run
 
 AUTO_SHAPE = {k: None for k in sizing.SHAPE_KEYS}
@@ -89,30 +90,43 @@ def test_compile_auto_compiles_once_the_measured_eager_run_outlasts_what_a_compi
     assert (plans["cuda"].compile, plans["cpu"].compile) == (True, False)
 
 
-def test_a_gpu_spends_a_budget_its_model_cannot_use_on_twice_the_steps():
+def test_a_gpu_spends_a_budget_its_model_cannot_use_on_twice_the_steps(monkeypatch):
     """A small model's step on a GPU takes about as long at half the batch (an H200: 63 against 62 ms), and where a
     budget bought more tokens than the model could use, half the batch measured better there at 2 minutes
-    (benchmarks/README.md): such a plan gets half the batch and twice the steps on a GPU. A plan the budget binds
-    keeps its batch, and any other device type is planned as a CPU is."""
-    assert [sizing.target_steps_for(device, saturated=True) for device in ("cuda", "cuda:1", "cpu", "mps")] == \
-        [2000, 2000, 1000, 1000]
-    assert sizing.target_steps_for("cuda", saturated=False) == sizing.TARGET_STEPS == 1000
+    (benchmarks/README.md): such a plan gets half the batch on a GPU, measured before it is taken. A plan the budget
+    binds keeps its batch, and any other device type is planned as a CPU is."""
+    def plans(budget: str, probe=None) -> tuple[Plan, Plan]:
+        train_cfg = TrainConfig(budget=budget, batch_size=None, precision="bf16", attention="torch", compile=False)
+        return tuple(decide(ModelConfig(size="auto"), train_cfg, 448, _stream(200_000), device, 1, None,
+                            probe or (lambda *_: pytest.fail("a FLOPs budget without compile auto probes nothing")))
+                     for device in ("cuda", "cpu"))
 
-    def plans(flops: str) -> tuple[dict, dict, int, int]:
-        train_cfg = TrainConfig(budget=flops, batch_size=None, precision="fp32", attention="torch", compile=False)
-        gpu, cpu = (decide(ModelConfig(size="auto", dropout=0.0), train_cfg, 64, _stream(200_000), device, 1, None,
-                           lambda *_: pytest.fail("a FLOPs budget without compile auto probes nothing"))
-                    for device in ("cuda", "cpu"))
-        assert (gpu.sizing["shape"], gpu.sizing["tokens"]) == (cpu.sizing["shape"], cpu.sizing["tokens"])
-        return gpu.sizing, cpu.sizing, gpu.max_steps, cpu.max_steps
+    # A FLOPs budget buys the same tokens at any batch: half the batch is twice the steps.
+    gpu, cpu = plans("1e15flops")  # more tokens than the model can use
+    assert (gpu.sizing["shape"], gpu.sizing["tokens"]) == (cpu.sizing["shape"], cpu.sizing["tokens"])
+    assert (gpu.sizing["batch_size"], cpu.sizing["batch_size"]) == (8, 16)
+    assert gpu.max_steps == pytest.approx(2 * cpu.max_steps, abs=1)
+    gpu, cpu = plans("1e13flops")  # 9 epochs: the budget binds
+    assert (gpu.sizing["batch_size"], gpu.max_steps) == (cpu.sizing["batch_size"], cpu.max_steps)
+    assert gpu.sizing["batch_size"] > sizing.MIN_BATCH  # a batch that could have been halved
 
-    gpu, cpu, gpu_steps, cpu_steps = plans("1e15flops")  # 19 epochs of the corpus: the tokens saturated
-    unique = 200_000
-    assert gpu["tokens"] == pytest.approx(sizing.saturating_tokens(gpu["non_embedding_params"], unique), rel=0.02)
-    assert (gpu["batch_size"], cpu["batch_size"]) == (8, 16) and gpu_steps == pytest.approx(2 * cpu_steps, abs=1)
-    gpu, cpu, gpu_steps, cpu_steps = plans("1e13flops")  # 9 epochs: the budget binds
-    assert gpu["tokens"] < 0.6 * sizing.saturating_tokens(gpu["non_embedding_params"], unique)
-    assert (gpu["batch_size"], gpu_steps) == (cpu["batch_size"], cpu_steps) == (16, 817)
+    # A time budget: a GPU-like step, 60 ms at any batch, and both devices given a GPU's peak. The smaller batch is
+    # probed; it buys half the tokens in as many steps.
+    monkeypatch.setattr(plan_module, "peak_for", lambda precision, device, gflops: 1e15)
+
+    def flat_step(model_cfg, train_cfg, kernel) -> Probe:
+        return Probe(step_seconds=0.06, first_steps_extra=1.0, eval_seconds=0.3, save_seconds=0.2, seconds=1.0)
+
+    gpu, cpu = plans("2min", flat_step)
+    assert gpu.sizing["shape"] == cpu.sizing["shape"]
+    assert (gpu.sizing["batch_size"], cpu.sizing["batch_size"]) == (8, 16)
+    assert (gpu.sizing["measured"][-1]["why"], gpu.sizing["measured"][-1]["batch_size"]) == \
+        ("spare seconds: a smaller batch", 8)
+    assert gpu.sizing["tokens"] == pytest.approx(cpu.sizing["tokens"] / 2, rel=0.05)
+    assert gpu.max_steps == pytest.approx(cpu.max_steps, rel=0.05)
+    gpu, cpu = plans("12s", flat_step)  # the seconds bind
+    assert gpu.sizing == cpu.sizing
+    assert all(m["why"] != "spare seconds: a smaller batch" for m in gpu.sizing["measured"])
 
 
 def test_warmup_follows_the_steps_when_given_as_a_fraction():

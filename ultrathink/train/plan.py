@@ -437,7 +437,7 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
                 fixed = model_cfg if shape_keys is None else model_cfg.model_copy(update=shape_keys)
                 return sizing.choose(fixed, vocab_size, corpus, seconds=max(1.0, budget.amount - spent()), cost=cost,
                                      batch_size=train_cfg.batch_size, weight_decay=weight_decay,
-                                     below_params=ceiling, device=device)
+                                     below_params=ceiling)
 
             def probe_sized(sized: Sizing, why: str) -> bool | None:
                 """Probe `sized` (without dropout), add it to `probed` and fit the step cost to it: True; False
@@ -479,11 +479,25 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
             contender = final.shape if unprobed else sizing.near_runner_up(final)
             if contender is not None and contender not in measured_shapes:
                 probe_sized(sized_for(asdict(contender)), "last choice" if unprobed else "near runner-up")
-            timed = [sizing.at_measured_speed(shaped, corpus, training_seconds(budget, cfg, taken, spent()),
-                                              taken.step_seconds / tokens_per_step, model_cfg.dropout, weight_decay)
-                     for shaped, taken, tokens_per_step, cfg, _ in probed]
-            sized = replace(sizing.best_measured(timed),
-                            measured=[sizing.probed_record(t, why) for t, (*_, why) in zip(timed, probed)])
+            def at_speed(shaped: Sizing, taken: Probe, tokens_per_step: int, cfg, why: str) -> tuple[Sizing, float]:
+                """A probed shape at the tokens its measured speed buys in the seconds left (sizing.
+                at_measured_speed), and those tokens before saturation cut them."""
+                seconds_per_token = taken.step_seconds / tokens_per_step
+                seconds = training_seconds(budget, cfg, taken, spent())
+                timed = sizing.at_measured_speed(shaped, corpus, seconds, seconds_per_token, model_cfg.dropout,
+                                                 weight_decay)
+                return timed, seconds / seconds_per_token
+
+            timed = [at_speed(*entry) for entry in probed]
+            best = sizing.best_measured([t for t, _ in timed])
+            bought = next(tokens for t, tokens in timed if t is best)
+            sized = replace(best, measured=[sizing.probed_record(t, why) for (t, _), (*_, why) in zip(timed, probed)])
+            # Seconds to spare (the tokens saturated) buy more steps at a smaller batch on a GPU: measured, not
+            # predicted, since a step there takes about as long at half the batch (sizing.spare_batch).
+            batch = None if train_cfg.batch_size is not None else sizing.spare_batch(sized, bought, corpus, device)
+            if batch is not None and probe_sized(replace(sized, batch_size=batch), "spare seconds: a smaller batch"):
+                smaller, _ = at_speed(*probed[-1])
+                sized = replace(smaller, measured=sized.measured + [sizing.probed_record(smaller, probed[-1][-1])])
             shaped_model, shaped_train = _sized(model_cfg, train_cfg, sized)
             probe_last(shaped_model.model_copy(update=undropped), shaped_train)
             if model_cfg.dropout is None and sized.dropout:
@@ -496,8 +510,11 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
                          level, slowdown, "kept" if sized.dropout else "predicted not to pay: 0")
         else:
             sized = sizing.choose(model_cfg, vocab_size, corpus, batch_size=train_cfg.batch_size,
-                                  weight_decay=weight_decay, device=device,
+                                  weight_decay=weight_decay,
                                   **{"flops" if budget.kind == "flops" else "tokens": budget.amount})
+            batch = None if train_cfg.batch_size is not None or budget.kind != "flops" else \
+                sizing.spare_batch(sized, budget.amount / sized.flops_per_token, corpus, device)
+            sized = sized if batch is None else replace(sized, batch_size=batch)
         model_cfg, train_cfg = _sized(model_cfg, train_cfg, sized)
     tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * model_cfg.seq_len  # the global batch
     flops_per_token = sizing.counts(sizing.Shape.of(model_cfg), model_cfg, vocab_size)[2]

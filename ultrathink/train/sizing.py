@@ -40,7 +40,8 @@ there the runs read the corpus 10-19 times and dropout 0.2 measured 0.04-0.11 bi
 The batch is the one that gives about TARGET_STEPS optimizer steps (a power of two of sequences, at least
 MIN_BATCH): small budgets need many small steps more than large batches. A budget that buys more tokens than its
 model can use (saturated) has seconds to spare: on a GPU, whose step at these sizes takes about as long at half the
-batch, they buy twice the steps (SATURATED_STEPS). The learning rate is train.lr's.
+batch, the plan then halves the batch for twice the steps (spare_batch, SATURATED_STEPS). The learning rate is
+train.lr's.
 
 The absolute losses of the fit mean nothing for our tokenizer; only where its minimum lies is used. A FLOPs budget
 needs no measurement; a tokens budget fixes D, so N comes from Chinchilla's 20 tokens per parameter instead.
@@ -76,15 +77,15 @@ TOKENS_PER_PARAM = 20  # Chinchilla's compute-optimal ratio, used when the budge
 # The optimizer steps a plan's batch is sized for (batch_for).
 TARGET_STEPS = 1000
 # ... and by device type, for a plan whose budget buys more tokens than its model can use (saturated: the rest of
-# the budget is spare). A CPU: more steps at the same tokens measured no better (benchmarks/README.md, twenty-sixth
-# session): 2000 at 2 minutes scored 0.010 worse on tiny Shakespeare and 0.084 worse on Pride, where validation
-# plateaued at step 1000 and the runs ended after 52-71 s; on the 100-150 KB slices (the model at the bound) half the
-# batch 0.029 worse on both, four times it 0.019-0.049 worse. A GPU: a small model's step takes about as long at
-# half the batch (an H200, d576 x 8: 63 against 62 ms), so there twice the steps cost tokens, not seconds, and the
-# saturated runs at 2 minutes had plateaued with half their budget unspent. Half the batch (2000 steps) measured
-# better on an H200 at 2 minutes by 0.074 and 0.057 bits/byte on tiny Shakespeare (seeds 1337, 1) and 0.055 on Pride
-# (twenty-sixth and twenty-seventh sessions). A plan the seconds bind (12 s on a GPU) would lose half its tokens:
-# unmeasured, so it keeps TARGET_STEPS. Any other device type goes by the CPU's.
+# the budget is spare; spare_batch). A CPU: more steps at the same tokens measured no better (benchmarks/README.md,
+# twenty-sixth session): 2000 at 2 minutes scored 0.010 worse on tiny Shakespeare and 0.084 worse on Pride, where
+# validation plateaued at step 1000 and the runs ended after 52-71 s; on the 100-150 KB slices (the model at the
+# bound) half the batch 0.029 worse on both, four times it 0.019-0.049 worse. A GPU: a small model's step takes
+# about as long at half the batch (an H200, d576 x 8: 63 against 62 ms), so there twice the steps cost tokens, not
+# seconds, and the saturated runs at 2 minutes had plateaued with half their budget unspent. Half the batch (2000
+# steps) measured better on an H200 at 2 minutes by 0.074 and 0.057 bits/byte on tiny Shakespeare (seeds 1337, 1)
+# and 0.055 on Pride (twenty-sixth and twenty-seventh sessions). A plan the seconds bind (12 s on a GPU) would lose
+# half its tokens: unmeasured, so it keeps its batch. Any other device type goes by the CPU's.
 SATURATED_STEPS = {"cpu": 1000, "cuda": 2000}
 # model.dropout null under size auto: the level tried (0.2 was never clearly better than 0.1 where dropout paid,
 # benchmarks/README.md), and R*_D with it — fitted to runs with and without it, together with the threshold below
@@ -397,28 +398,35 @@ def _cheapest_of_the_best(options: list, loss, cost):
     return min((o for o in options if loss(o) <= best * (1 + TIE)), key=lambda o: (*cost(o), loss(o)))
 
 
-def target_steps_for(device, saturated: bool) -> int:
-    """The optimizer steps a plan on `device` sizes its batch for: TARGET_STEPS, or SATURATED_STEPS where its budget
-    buys more tokens than its model can use."""
-    if not saturated:
-        return TARGET_STEPS
-    return SATURATED_STEPS.get(device_type(device), SATURATED_STEPS["cpu"])
-
-
-def batch_for(tokens: float, seq_len: int, target_steps: int = TARGET_STEPS) -> int:
-    sequences = max(MIN_BATCH, tokens / target_steps / seq_len)
+def batch_for(tokens: float, seq_len: int) -> int:
+    sequences = max(MIN_BATCH, tokens / TARGET_STEPS / seq_len)
     return 2 ** round(math.log2(sequences))
+
+
+def spare_batch(sized: Sizing, bought_tokens: float, corpus_tokens: int, device) -> int | None:
+    """The smaller batch a plan on `device` trains at where its budget buys more tokens (`bought_tokens`, at the
+    plan's batch) than its model can use: its saturating_tokens, at the repeat discount the batch was sized at
+    (batch_for's tokens; dropout's discount credits a budget's tokens further, but the runs with it at the bound
+    plateaued after 10-14 epochs). There SATURATED_STEPS replace TARGET_STEPS for the same tokens. None where the
+    budget binds, on a device type that keeps TARGET_STEPS, or at MIN_BATCH. The plan decides it after the shape,
+    at the batch the law's evidence was measured at; a time budget's tokens at the smaller batch are then measured,
+    not predicted (on a GPU a step at half the batch takes about as long, which the step-cost model cannot say)."""
+    steps = SATURATED_STEPS.get(device_type(device), SATURATED_STEPS["cpu"])
+    if bought_tokens <= saturating_tokens(sized.non_embedding_params, corpus_tokens) or steps <= TARGET_STEPS:
+        return None
+    batch = max(MIN_BATCH, sized.batch_size * TARGET_STEPS // steps)
+    return batch if batch < sized.batch_size else None
 
 
 def choose(model_cfg, vocab_size: int, corpus_tokens: int, *, flops: float | None = None,
            tokens: float | None = None, seconds: float | None = None, cost: StepCost | None = None,
            batch_size: int | None = None, weight_decay: float | None = None,
-           below_params: int | None = None, device: str = "cpu") -> Sizing:
+           below_params: int | None = None) -> Sizing:
     """The shape for a budget of `flops` (compute), `tokens`, or `seconds` at `cost`, on a corpus of
     `corpus_tokens` training tokens; a compute or time budget's tokens then `saturated`, the batch sized for those.
     Shape keys of `model_cfg` that are set (not null) are kept; `weight_decay` (train.weight_decay's) has a say in
     dropout (with_dropout); `below_params` leaves out shapes of at least that many parameters (one that ran out of
-    the device's memory); the batch is sized for the steps target_steps_for `device`."""
+    the device's memory)."""
     fixed = {k: getattr(model_cfg, k) for k in SHAPE_KEYS if getattr(model_cfg, k) is not None}
     scored = []
     for shape in candidate_shapes(fixed):
@@ -440,12 +448,10 @@ def choose(model_cfg, vocab_size: int, corpus_tokens: int, *, flops: float | Non
     score, shape, params, non_embedding, per_token, seen = chosen
     runner = next((row for row in scored if row is not chosen), None)
     spent_on_need = tokens is None  # a compute or time budget, not a number of tokens the user asked for
-    saturating = saturating_tokens(non_embedding, corpus_tokens)
-    trained = min(seen, saturating) if spent_on_need else seen
-    spare = spent_on_need and seen > saturating  # the budget buys more than the model can use
-    batch = batch_size or batch_for(trained, shape.seq_len, target_steps_for(device, spare))
-    sized = Sizing(shape, batch, params, non_embedding, per_token, seen, seen / corpus_tokens, score,
-                   {"shape": asdict(runner[1]), "score": runner[0]} if runner else {}, model_cfg.dropout)
+    trained = min(seen, saturating_tokens(non_embedding, corpus_tokens)) if spent_on_need else seen
+    sized = Sizing(shape, batch_size or batch_for(trained, shape.seq_len), params, non_embedding, per_token, seen,
+                   seen / corpus_tokens, score, {"shape": asdict(runner[1]), "score": runner[0]} if runner else {},
+                   model_cfg.dropout)
     if model_cfg.dropout is None:
         sized = with_dropout(sized, corpus_tokens, weight_decay=weight_decay)
     return saturated(sized, corpus_tokens) if spent_on_need else sized
