@@ -95,9 +95,10 @@ def test_a_gpu_spends_a_budget_its_model_cannot_use_on_twice_the_steps(monkeypat
     budget bought more tokens than the model could use, half the batch measured better there at 2 minutes
     (benchmarks/README.md): such a plan gets half the batch on a GPU, measured before it is taken. A plan the budget
     binds keeps its batch, and any other device type is planned as a CPU is."""
-    def plans(budget: str, probe=None) -> tuple[Plan, Plan]:
-        train_cfg = TrainConfig(budget=budget, batch_size=None, precision="bf16", attention="torch", compile=False)
-        return tuple(decide(ModelConfig(size="auto"), train_cfg, 448, _stream(200_000), device, 1, None,
+    def plans(budget: str, probe=None, batch_size=None, world_size=1) -> tuple[Plan, Plan]:
+        train_cfg = TrainConfig(budget=budget, batch_size=batch_size, precision="bf16", attention="torch",
+                                compile=False)
+        return tuple(decide(ModelConfig(size="auto"), train_cfg, 448, _stream(200_000), device, world_size, None,
                             probe or (lambda *_: pytest.fail("a FLOPs budget without compile auto probes nothing")))
                      for device in ("cuda", "cpu"))
 
@@ -109,6 +110,10 @@ def test_a_gpu_spends_a_budget_its_model_cannot_use_on_twice_the_steps(monkeypat
     gpu, cpu = plans("1e13flops")  # 9 epochs: the budget binds
     assert (gpu.sizing["batch_size"], gpu.max_steps) == (cpu.sizing["batch_size"], cpu.max_steps)
     assert gpu.sizing["batch_size"] > sizing.MIN_BATCH  # a batch that could have been halved
+    # The user's next moves: a batch set in params.yaml is kept; a job on 8 GPUs halves its global batch of 16
+    # (a sequence per rank), one on 16 cannot split 8 sequences over its ranks and keeps 16.
+    assert [p.sizing["batch_size"] for p in plans("1e15flops", batch_size=16)] == [16, 16]
+    assert [plans("1e15flops", world_size=ranks)[0].sizing["batch_size"] for ranks in (8, 16)] == [8, 16]
 
     # A time budget: a GPU-like step, 60 ms at any batch, and both devices given a GPU's peak. The smaller batch is
     # probed; it buys half the tokens in as many steps.

@@ -494,7 +494,8 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
             sized = replace(best, measured=[sizing.probed_record(t, why) for (t, _), (*_, why) in zip(timed, probed)])
             # Seconds to spare (the tokens saturated) buy more steps at a smaller batch on a GPU: measured, not
             # predicted, since a step there takes about as long at half the batch (sizing.spare_batch).
-            batch = None if train_cfg.batch_size is not None else sizing.spare_batch(sized, bought, corpus, device)
+            batch = None if train_cfg.batch_size is not None else sizing.spare_batch(
+                sized, bought, corpus, device, world_size, train_cfg.grad_accum)
             if batch is not None and probe_sized(replace(sized, batch_size=batch), "spare seconds: a smaller batch"):
                 smaller, _ = at_speed(*probed[-1])
                 sized = replace(smaller, measured=sized.measured + [sizing.probed_record(smaller, probed[-1][-1])])
@@ -512,9 +513,10 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
             sized = sizing.choose(model_cfg, vocab_size, corpus, batch_size=train_cfg.batch_size,
                                   weight_decay=weight_decay,
                                   **{"flops" if budget.kind == "flops" else "tokens": budget.amount})
-            batch = None if train_cfg.batch_size is not None or budget.kind != "flops" else \
-                sizing.spare_batch(sized, budget.amount / sized.flops_per_token, corpus, device)
-            sized = sized if batch is None else replace(sized, batch_size=batch)
+            if budget.kind == "flops" and train_cfg.batch_size is None:  # the same tokens at any batch
+                batch = sizing.spare_batch(sized, budget.amount / sized.flops_per_token, corpus, device, world_size,
+                                           train_cfg.grad_accum)
+                sized = sized if batch is None else replace(sized, batch_size=batch)
         model_cfg, train_cfg = _sized(model_cfg, train_cfg, sized)
     tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * model_cfg.seq_len  # the global batch
     flops_per_token = sizing.counts(sizing.Shape.of(model_cfg), model_cfg, vocab_size)[2]

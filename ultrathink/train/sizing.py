@@ -403,19 +403,21 @@ def batch_for(tokens: float, seq_len: int) -> int:
     return 2 ** round(math.log2(sequences))
 
 
-def spare_batch(sized: Sizing, bought_tokens: float, corpus_tokens: int, device) -> int | None:
+def spare_batch(sized: Sizing, bought_tokens: float, corpus_tokens: int, device, world_size: int = 1,
+                grad_accum: int = 1) -> int | None:
     """The smaller batch a plan on `device` trains at where its budget buys more tokens (`bought_tokens`, at the
     plan's batch) than its model can use: its saturating_tokens, at the repeat discount the batch was sized at
     (batch_for's tokens; dropout's discount credits a budget's tokens further, but the runs with it at the bound
     plateaued after 10-14 epochs). There SATURATED_STEPS replace TARGET_STEPS for the same tokens. None where the
-    budget binds, on a device type that keeps TARGET_STEPS, or at MIN_BATCH. The plan decides it after the shape,
+    budget binds, on a device type that keeps TARGET_STEPS, at MIN_BATCH, or where the smaller global batch (×
+    `grad_accum` sequences) would not split evenly over `world_size` ranks. The plan decides it after the shape,
     at the batch the law's evidence was measured at; a time budget's tokens at the smaller batch are then measured,
     not predicted (on a GPU a step at half the batch takes about as long, which the step-cost model cannot say)."""
     steps = SATURATED_STEPS.get(device_type(device), SATURATED_STEPS["cpu"])
     if bought_tokens <= saturating_tokens(sized.non_embedding_params, corpus_tokens) or steps <= TARGET_STEPS:
         return None
     batch = max(MIN_BATCH, sized.batch_size * TARGET_STEPS // steps)
-    return batch if batch < sized.batch_size else None
+    return batch if batch < sized.batch_size and batch * grad_accum % world_size == 0 else None
 
 
 def choose(model_cfg, vocab_size: int, corpus_tokens: int, *, flops: float | None = None,
