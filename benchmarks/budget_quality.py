@@ -23,8 +23,8 @@ the seconds, at most the README's 2000. It runs where the train stage runs: on t
 (time to quality). --grid trains once per optimizer × schedule (AdamW, Muon, Lion × cosine, WSD) at the same budget.
 --workdir DIR keeps the prepared copies in DIR (else a temporary folder) and reuses one whose corpus, data-side params,
 data-side code (the module closures of the validate, tokenizer and prepare stages, params.yaml and
-constitution.yaml) and sizing (for a time budget, or for equal steps) are those that made it, refreshing its training
-code from this checkout. So a machine without Great Expectations or DVC (a GPU image) can train on copies prepared
+constitution.yaml) and sizing (for a time budget of its length: the vocabulary follows it; or for equal steps) are
+those that made it, refreshing its training code from this checkout. So a machine without Great Expectations or DVC (a GPU image) can train on copies prepared
 elsewhere: it never runs the data-side stages.
 --prepare-only makes (or finds) the copies and the held-out texts in --workdir and trains nothing.
 --seeds 1337,1,2 runs each variant once per train.seed: at equal steps a run repeats to the last digit, so only other
@@ -63,6 +63,7 @@ from ultrathink.lineage import module_closure  # noqa: E402
 from ultrathink.device import resolve_device, synchronize  # noqa: E402
 from ultrathink.registry.models import evaluate_text_file  # noqa: E402
 from ultrathink.train import sizing  # noqa: E402
+from ultrathink.tokenizer import run_length  # noqa: E402
 from ultrathink.train.engine import autocast  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,18 +225,18 @@ def run_corpus(corpus: str, args, tmp: Path) -> list[dict]:
     text = corpus_text(corpus)
     cut = int(len(text) * 0.9)
     name = Path(corpus).stem
-    timed = next((b for b in args.budgets if not b.endswith("steps")), None)
 
-    def project_for(sets: list[str]) -> Path:
+    def project_for(sets: list[str], budget: str) -> Path:
+        """The copy prepared for `budget`: its vocabulary follows a time budget (tokenizer.auto_vocab_size)."""
         data_side = [o for o in args.overrides + sets if o.startswith(DATA_SIDE)]
-        return kept_project(tmp / name, text[:cut], timed, data_side)
+        return kept_project(tmp / name, text[:cut], None if budget.endswith("steps") else budget, data_side)
 
     held_out = tmp / f"{name}-held_out.txt"
     held_out.parent.mkdir(parents=True, exist_ok=True)
     held_out.write_text(text[cut:], encoding="utf-8")
     if args.prepare_only:
-        for _, sets in variants(args):
-            print(f"{name}: prepared {project_for(sets)}", flush=True)
+        for budget, (_, sets) in itertools.product(args.budgets, variants(args)):
+            print(f"{name} {budget}: prepared {project_for(sets, budget)}", flush=True)
         return []
     baseline = CharBaseline(text[:cut], text[cut:], precision_of(args.overrides))
     scores: dict[float, dict] = {}  # the baseline's, by seconds: with --match, one run serves every budget
@@ -252,7 +253,7 @@ def run_corpus(corpus: str, args, tmp: Path) -> list[dict]:
         for variant, sets in variants(args):
             for seed, repeat in itertools.product(args.seeds or [None], range(args.repeats)):
                 seeded = sets + ([] if seed is None else [f"train.seed={seed}"])
-                ours = train_and_score(project_for(sets), held_out, budget, args.overrides + seeded)
+                ours = train_and_score(project_for(sets, budget), held_out, budget, args.overrides + seeded)
                 rows.append({"corpus": name, "bytes": len(text[:cut].encode()), "budget": budget, "variant": variant,
                              "seed": seed, "repeat": repeat, "ours": ours, "baseline": base})
                 print(row_line(rows[-1]), flush=True)
@@ -263,11 +264,12 @@ def run_corpus(corpus: str, args, tmp: Path) -> list[dict]:
 
 def kept_project(directory: Path, train_text: str, budget: str | None, overrides: list[str]) -> Path:
     """A prepared copy of this project for `train_text` under `directory`: the one made from the same corpus,
-    data-side params and data-side code, sized alike (for a time budget: vocabulary and model auto; for equal steps:
-    neither), if it is there (its training code refreshed from this checkout), else a new one. Its record is written
-    last, so a copy whose preparation failed half-way is never reused."""
+    data-side params and data-side code, sized alike (for a time budget: vocabulary and model auto, the vocabulary
+    for the budget's length; for equal steps: neither), if it is there (its training code refreshed from this
+    checkout), else a new one. Its record is written last, so a copy whose preparation failed half-way is never
+    reused."""
     record = {"corpus_sha256": hashlib.sha256(train_text.encode("utf-8")).hexdigest(), "overrides": overrides,
-              "code": data_side_code(), "sized_for_a_budget": budget is not None}
+              "code": data_side_code(), "sized_for": budget and run_length(budget)}
     home = directory / json_hash(record)
     marker = home / "prepared.json"
     if marker.is_file() and json.loads(marker.read_text()) == record:

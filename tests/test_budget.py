@@ -541,12 +541,23 @@ def test_a_time_plan_probes_dropout_where_it_could_pay_and_keeps_it_only_if_it_d
     assert decayed.sizing["non_embedding_params"] > sizing.DROPOUT_AT_BOUND_PARAMS_PER_TOKEN * 20_000
 
 
-def test_auto_vocabulary_follows_the_corpus_size(tmp_path):
+def test_auto_vocabulary_follows_the_corpus_size_and_the_budget(tmp_path):
     assert [auto_vocab_size(n) for n in (10_000, 1_000_000, 10**9, 10**12)] == [320, 512, 15808, 32768]
+    # A long run (a minute or more, 1.5M tokens or more) takes √bytes, twice the short run's share, within the bounds.
+    long_runs = ["1min", "2min", "1.5h", "1.5e6tokens"]
+    assert [auto_vocab_size(1_000_000, b) for b in long_runs] == [1024] * 4
+    assert [auto_vocab_size(n, "2min") for n in (10_000, 10**9, 10**12)] == [320, 31616, 32768]
+    short_runs = [None, "12s", "59s", "1e6tokens", "1e18flops"]  # FLOPs: the tokens follow the shape the plan picks
+    assert [auto_vocab_size(1_000_000, b) for b in short_runs] == [512] * 5
     texts = [f"line {i} of a small corpus about cats, dogs and number {i * 7}" for i in range(3000)]
+    n_bytes = sum(len(t) for t in texts)
     size = train_tokenizer(texts, TokenizerConfig(vocab_size="auto"), tmp_path / "tok")
-    assert size == auto_vocab_size(sum(len(t) for t in texts))
+    assert size == auto_vocab_size(n_bytes) == 320
     assert len(load_tokenizer(tmp_path / "tok")) <= size
+    longer = train_tokenizer(texts, TokenizerConfig(vocab_size="auto"), tmp_path / "long", budget="2min")
+    assert longer == auto_vocab_size(n_bytes, "2min") == 448
+    assert size < len(load_tokenizer(tmp_path / "long")) <= longer
+    assert train_tokenizer(texts, TokenizerConfig(vocab_size=320), tmp_path / "set", budget="2min") == 320
     with pytest.raises(ValueError, match="vocab_size"):
         TokenizerConfig(vocab_size=100)
 

@@ -10,10 +10,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from budget_quality import kept_project, row_line  # noqa: E402
 
 
-def test_a_copy_prepared_for_equal_steps_is_not_reused_by_a_time_budget(tmp_path):
+def test_a_copy_is_reused_only_by_runs_sized_as_it_was(tmp_path):
     """Before the copy's record named its sizing, a copy prepared for an equal-steps run (model.size manual, the
     shipped vocabulary) was reused by a later time budget's run, which then trained a manual model at the wrong
-    vocabulary and reported it as the budget path."""
+    vocabulary and reported it as the budget path. A time budget's copy serves budgets of the same length only, as
+    its vocabulary follows that length."""
     text = "\n\n".join(f"Paragraph {i}: the {i % 7}th line of a small corpus, said again." for i in range(300))
     params_of = lambda project: yaml.safe_load((project / "params.yaml").read_text())  # noqa: E731
     for_steps = kept_project(tmp_path, text, None, [])
@@ -24,7 +25,9 @@ def test_a_copy_prepared_for_equal_steps_is_not_reused_by_a_time_budget(tmp_path
     assert sized["model"]["size"] == "auto" and sized["tokenizer"]["vocab_size"] == "auto"
     marker = for_budget.parent / "prepared.json"
     made = marker.stat().st_mtime_ns
-    assert kept_project(tmp_path, text, "12s", []) == for_budget and marker.stat().st_mtime_ns == made  # reused
+    assert kept_project(tmp_path, text, "5min", []) == for_budget and marker.stat().st_mtime_ns == made  # reused
+    # A short budget's vocabulary is another (tokenizer.auto_vocab_size): its own copy.
+    assert kept_project(tmp_path, text, "12s", []) not in (for_budget, for_steps)
 
 
 def test_a_row_names_the_seconds_it_took_in_all_beside_its_training_seconds():

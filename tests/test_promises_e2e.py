@@ -19,7 +19,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from e2e_helpers import TINY, client_for, copy_project, ran_stages, set_params, sh
+from e2e_helpers import TINY, client_for, copy_project, make_project, ran_stages, set_params, sh
 
 # Several minutes of real DVC runs: run by `make test`; `-m "not slow"` (or `-m "not spawns"`) skips them.
 pytestmark = [pytest.mark.slow, pytest.mark.spawns]
@@ -101,6 +101,24 @@ def test_a_detour_to_another_corpus_and_back_lets_the_real_model_win_again(proje
     assert back["previous_champion_version"] == 2 and back["previous_value"] > back["value"]
     assert back["yardstick"]["sha256"] == metrics(project)["yardstick_sha256"] != detour["yardstick"]["sha256"]
     assert int(client_for(project).get_model_version_by_alias("ultrathink", "champion").version) == 1
+
+
+def test_a_longer_budget_trains_a_larger_auto_vocabulary_and_prepares_again_only_when_it_changes(tmp_path):
+    """Under tokenizer.vocab_size auto the tokenizer stage takes train.budget (a run of a minute or more gets twice
+    the tokens); a budget change that leaves the tokenizer as it was leaves the prepared tokens as they were."""
+    project = make_project(tmp_path)
+    set_params(project, {"data": {"max_samples": None}, "tokenizer": {"vocab_size": "auto"},
+                         "train": {"budget": "30s"}})
+
+    def prepare() -> tuple[list[str], int]:
+        done = sh(["dvc", "repro", "prepare"], project)
+        return ran_stages(done.stdout), json.loads((project / "data/prepared/meta.json").read_text())["vocab_size"]
+
+    assert prepare() == (["validate", "tokenizer", "prepare"], 320)
+    set_params(project, {"train": {"budget": "2min"}})
+    assert prepare() == (["tokenizer", "prepare"], 576)
+    set_params(project, {"train": {"budget": "5min"}})
+    assert prepare() == (["tokenizer"], 576)
 
 
 def test_a_longer_schedule_keeps_earlier_checkpoints_and_going_back_resumes(project):

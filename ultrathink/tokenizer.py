@@ -16,7 +16,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from ultrathink.config import TokenizerConfig
+from ultrathink.config import Budget, TokenizerConfig
 from ultrathink.hashing import json_hash
 from ultrathink.io import atomic_dir
 
@@ -25,24 +25,39 @@ PAD_TOKEN = "<|pad|>"
 MODEL_MAX_LENGTH = 2**62  # no length limit here: the model's seq_len decides, and long documents must not warn
 
 
-# tokenizer.vocab_size auto: VOCAB_PER_ROOT_BYTE × √(corpus bytes), a multiple of 64 within the bounds. A vocabulary
-# grows with the corpus (larger ones pay off only where there is text enough to learn every token's embedding):
-# 1 MB of text gets 512 (measured best on tiny shakespeare at a 2-minute budget: benchmarks/README.md), 1 GB 16k.
-VOCAB_PER_ROOT_BYTE = 0.5
+# tokenizer.vocab_size auto: a share of √(corpus bytes), a multiple of 64 within the bounds. A vocabulary grows with
+# the corpus, and with the run: a larger one spells more text a token (each step reads more of the corpus, each
+# window holds more of it) but has more embeddings to learn, which pays only where the run trains tokens enough.
+# Measured on three corpora (benchmarks/README.md, "The vocabulary follows the budget"): √bytes against ½·√bytes
+# lost 0.22 bits/byte at 12 s on one fp32 core, tied at 30 s there, and at 2 minutes won on two corpora and tied on
+# the third on the bf16 class, and won on the one corpus measured on one fp32 core. So a budget of at least LONG_RUN (seconds, or tokens) takes the larger share; a shorter one, a FLOPs
+# budget (its tokens follow the shape the plan picks) and a run without a budget take the smaller. 1 MB of text: 512
+# or 1024; 1 GB: 16k or 32k.
+VOCAB_PER_ROOT_BYTE = {"short run": 0.5, "long run": 1.0}
+LONG_RUN = {"seconds": 60.0, "tokens": 1.5e6}
 AUTO_VOCAB_BOUNDS = (320, 32768)
 
 
-def auto_vocab_size(n_bytes: int) -> int:
+def run_length(budget: str | None) -> str:
+    """'long run' for a train.budget of at least LONG_RUN of its kind, else 'short run'."""
+    parsed = Budget.parse(budget) if budget else None
+    long = parsed is not None and parsed.kind in LONG_RUN and parsed.amount >= LONG_RUN[parsed.kind]
+    return "long run" if long else "short run"
+
+
+def auto_vocab_size(n_bytes: int, budget: str | None = None) -> int:
     low, high = AUTO_VOCAB_BOUNDS
-    return int(min(high, max(low, 64 * round(VOCAB_PER_ROOT_BYTE * math.sqrt(n_bytes) / 64))))
+    share = VOCAB_PER_ROOT_BYTE[run_length(budget)]
+    return int(min(high, max(low, 64 * round(share * math.sqrt(n_bytes) / 64))))
 
 
-def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, out_dir: Path) -> int:
+def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, out_dir: Path, budget: str | None = None) -> int:
     """Learn `cfg.vocab_size` byte-level BPE tokens (EOS and PAD included) from `texts`, or under `auto` a number
-    that follows the texts' size (auto_vocab_size); replace `out_dir`. Returns the vocabulary size asked for."""
+    that follows the texts' size and the run's `budget` (train.budget: auto_vocab_size); replace `out_dir`. Returns
+    the vocabulary size asked for."""
     if cfg.vocab_size == "auto":
         texts = list(texts)
-        vocab_size = auto_vocab_size(sum(len(t.encode("utf-8")) for t in texts))
+        vocab_size = auto_vocab_size(sum(len(t.encode("utf-8")) for t in texts), budget)
     else:
         vocab_size = cfg.vocab_size
     tokenizer = Tokenizer(models.BPE())

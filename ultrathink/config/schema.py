@@ -140,8 +140,9 @@ class TokenizerConfig(Section):
         "chat template) instead of training one; the other tokenizer keys are then unused. null: train a BPE")
     vocab_size: int | Literal["auto"] = Field(
         4096, description="BPE vocabulary size, special tokens included (at least 300; above 65,535 the token "
-        "files hold uint32 ids); auto: from the corpus size, about the square root of its bytes "
-        "(ultrathink/tokenizer.py: auto_vocab_size)")
+        "files hold uint32 ids); auto: from the corpus size and train.budget, about half the square root of its "
+        "bytes, the whole root for a budget of a minute or 1.5M tokens or more (ultrathink/tokenizer.py: "
+        "auto_vocab_size)")
     min_frequency: int = Field(2, ge=1, description="least count for a merge to be learned")
 
     @model_validator(mode="after")

@@ -1,6 +1,6 @@
 """tokenizer: train a byte-level BPE on the training split of the validated corpus (the validation text, chosen
-exactly as prepare's split chooses it, stays unseen), or take tokenizer.pretrained's as it is; save a directory
-transformers can load."""
+exactly as prepare's split chooses it, stays unseen; under vocab_size auto, as many tokens as the corpus and
+train.budget call for), or take tokenizer.pretrained's as it is; save a directory transformers can load."""
 
 from pathlib import Path
 
@@ -8,7 +8,7 @@ from ultrathink.config import Params
 from ultrathink.data.packing import training_texts
 from ultrathink.errors import StageError
 from ultrathink.scoring import document_prefix
-from ultrathink.tokenizer import copy_pretrained, train_tokenizer
+from ultrathink.tokenizer import copy_pretrained, run_length, train_tokenizer
 
 
 def run(params: Params) -> None:
@@ -22,7 +22,8 @@ def run(params: Params) -> None:
               f"framed as {before} + text + {tokenizer.eos_token}) saved to {params.paths.tokenizer_dir}")
         return
     texts = training_texts(Path(params.paths.validated_corpus), params.prepare)
-    vocab_size = train_tokenizer(texts, params.tokenizer, Path(params.paths.tokenizer_dir))
-    chosen = " (tokenizer.vocab_size auto, from the corpus size)" if params.tokenizer.vocab_size == "auto" else ""
+    vocab_size = train_tokenizer(texts, params.tokenizer, Path(params.paths.tokenizer_dir), params.train.budget)
+    chosen = (f" (tokenizer.vocab_size auto: from the corpus size, for a {run_length(params.train.budget)}: "
+              f"train.budget {params.train.budget})" if params.tokenizer.vocab_size == "auto" else "")
     print(f"tokenizer: vocab {vocab_size}{chosen} saved to {params.paths.tokenizer_dir}")
 
