@@ -1,5 +1,5 @@
-"""Does a time budget's measuring run end on its budget? The real stages (validate, tokenizer, prepare once; then
-train once per budget) in a copy of this project, with `train.budget`, `model.size: auto` and
+"""Does a time budget's measuring run end on its budget? The real stages (validate, tokenizer, prepare once per run
+length, as the auto vocabulary follows it; then train once per budget) in a copy of this project, with `train.budget`, `model.size: auto` and
 `tokenizer.vocab_size: auto`, as a user runs them. For each budget it prints what the budget pays for — the plan's
 probe and the training loop (validation passes and checkpoints included) — against the budget, the steps the
 run re-planned to while training, and the stage's wall time with its start-up.
@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.e2e_helpers import make_project, set_params, sh  # noqa: E402
 
 from ultrathink.config import Budget  # noqa: E402
+from ultrathink.tokenizer import run_length  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -64,9 +65,15 @@ def main() -> None:
     parser.add_argument("--budgets", nargs="+", default=["30s", "2min", "5min"])
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     args = parser.parse_args()
+    corpus = args.corpus.read_text(encoding="utf-8")
     with tempfile.TemporaryDirectory(prefix="ultrathink-budget-") as tmp:
-        project = prepared_project(Path(tmp), args.corpus.read_text(encoding="utf-8"), args.budgets[0], args.overrides)
-        rows = [train(project, budget, args.overrides) for budget in args.budgets]
+        projects: dict[str, Path] = {}  # one prepared copy per run length: the auto vocabulary follows it
+        for budget in args.budgets:
+            length = run_length(budget)
+            if length not in projects:
+                projects[length] = prepared_project(Path(tmp) / length.replace(" ", "_"), corpus, budget,
+                                                    args.overrides)
+        rows = [train(projects[run_length(budget)], budget, args.overrides) for budget in args.budgets]
     print(f"\n{'budget':>7} {'probe s':>8} {'train s':>8} {'spent s':>8} {'spent/budget':>13} {'steps':>6} "
           f"{'stage s':>8}  re-plans (step → steps)   shape")
     for r in rows:
