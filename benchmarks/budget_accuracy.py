@@ -1,8 +1,8 @@
 """Does a time budget's measuring run end on its budget? The real stages (validate, tokenizer, prepare once per run
-length, as the auto vocabulary follows it; then train once per budget) in a copy of this project, with `train.budget`, `model.size: auto` and
-`tokenizer.vocab_size: auto`, as a user runs them. For each budget it prints what the budget pays for — the plan's
-probe and the training loop (validation passes and checkpoints included) — against the budget, the steps the
-run re-planned to while training, and the stage's wall time with its start-up.
+length, as the auto vocabulary follows it; then train once per budget) in a copy of this project, with
+`train.budget`, `model.size: auto` and `tokenizer.vocab_size: auto`, as a user runs them. For each budget it prints
+what the budget pays for — the plan's probe and the training loop (validation passes and checkpoints included) —
+against the budget, the steps the run re-planned to while training, and the stage's wall time with its start-up.
 
     .venv/bin/python benchmarks/budget_accuracy.py [--corpus ../shared/data/tinyshakespeare.txt]
         [--budgets 30s 2min 5min] [--set key=value ...]

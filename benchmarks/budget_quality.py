@@ -24,8 +24,8 @@ the seconds, at most the README's 2000. It runs where the train stage runs: on t
 --workdir DIR keeps the prepared copies in DIR (else a temporary folder) and reuses one whose corpus, data-side params,
 data-side code (the module closures of the validate, tokenizer and prepare stages, params.yaml and
 constitution.yaml) and sizing (for a time budget of its length: the vocabulary follows it; or for equal steps) are
-those that made it, refreshing its training code from this checkout. So a machine without Great Expectations or DVC (a GPU image) can train on copies prepared
-elsewhere: it never runs the data-side stages.
+those that made it, refreshing its training code from this checkout. So a machine without Great Expectations or DVC
+(a GPU image) can train on copies prepared elsewhere: it never runs the data-side stages.
 --prepare-only makes (or finds) the copies and the held-out texts in --workdir and trains nothing.
 --seeds 1337,1,2 runs each variant once per train.seed: at equal steps a run repeats to the last digit, so only other
 seeds show an idea's noise (tiny Shakespeare at 1000 steps: ±0.016 bits/byte between seeds, benchmarks/README.md).

@@ -30,9 +30,9 @@ MODEL_MAX_LENGTH = 2**62  # no length limit here: the model's seq_len decides, a
 # window holds more of it) but has more embeddings to learn, which pays only where the run trains tokens enough.
 # Measured on three corpora (benchmarks/README.md, "The vocabulary follows the budget"): √bytes against ½·√bytes
 # lost 0.22 bits/byte at 12 s on one fp32 core, tied at 30 s there, and at 2 minutes won on two corpora and tied on
-# the third on the bf16 class, and won on the one corpus measured on one fp32 core. So a budget of at least LONG_RUN (seconds, or tokens) takes the larger share; a shorter one, a FLOPs
-# budget (its tokens follow the shape the plan picks) and a run without a budget take the smaller. 1 MB of text: 512
-# or 1024; 1 GB: 16k or 32k.
+# the third on the bf16 class, and won on the one corpus measured on one fp32 core. So a budget of at least LONG_RUN
+# (seconds, or tokens) takes the larger share; a shorter one, a FLOPs budget (its tokens follow the shape the plan
+# picks) and a run without a budget take the smaller. 1 MB of text: 512 or 1024; 1 GB: 16k or 32k.
 VOCAB_PER_ROOT_BYTE = {"short run": 0.5, "long run": 1.0}
 LONG_RUN = {"seconds": 60.0, "tokens": 1.5e6}
 AUTO_VOCAB_BOUNDS = (320, 32768)
