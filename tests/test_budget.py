@@ -341,8 +341,8 @@ def test_dropout_is_kept_where_the_law_predicts_it_pays_and_a_set_value_wins():
     discounted at DROPOUT_REPEAT_DECAY, are predicted to beat those without it by more than TIE: not for a few
     passes over the corpus, yes for many, never once a step with it costs too many tokens, and never less for more
     epochs. A number set in params.yaml is kept at any budget. All beside the base weight decay: beside the
-    repeated-text one (set, or planned for many epochs) a model below DROPOUT_AT_BOUND_PARAMS_PER_TOKEN never
-    keeps it (the next test: one above it does)."""
+    repeated-text one (set, or planned for many epochs) a model below DROPOUT_AT_BOUND_PARAMS_PER_TOKEN keeps none
+    below DROPOUT_AT_BOUND_EPOCHS (the next test: one above either keeps DROPOUT_AT_BOUND)."""
     assert Params(model=AUTO_SHAPE).model.dropout == 0.0
     auto, base = ModelConfig(size="auto"), sizing.WEIGHT_DECAY
     few, many = (sizing.choose(auto, 512, 300_000, flops=f, weight_decay=base) for f in (1e12, 3e14))
@@ -350,12 +350,14 @@ def test_dropout_is_kept_where_the_law_predicts_it_pays_and_a_set_value_wins():
     assert (few.dropout, many.dropout) == (0.0, sizing.DROPOUT)
     for decay in (None, sizing.REPEATED_WEIGHT_DECAY):  # null: many epochs plan the repeated-text decay
         beside = sizing.choose(auto, 512, 300_000, flops=1e14, weight_decay=decay)
-        assert beside.epochs > 5 and beside.non_embedding_params > 10 * 300_000 and beside.dropout == 0.0
+        assert 5 < beside.epochs < sizing.DROPOUT_AT_BOUND_EPOCHS and beside.dropout == 0.0
+        assert beside.non_embedding_params > 10 * 300_000
     assert many.tokens == pytest.approx(3e14 / many.flops_per_token)  # a FLOPs budget: dropout costs no tokens
     undropped = sizing.choose(ModelConfig(size="auto", dropout=0.0), 512, 300_000, flops=3e14)
     assert undropped.shape == many.shape and undropped.dropout == 0.0
     slower = sizing.with_dropout(undropped, 300_000, slowdown=1.25, weight_decay=base)
-    assert sizing.with_dropout(undropped, 300_000, slowdown=1.25).dropout == 0.0  # null: the repeated decay
+    assert undropped.epochs > sizing.DROPOUT_AT_BOUND_EPOCHS  # null: the repeated decay, and its dropout
+    assert sizing.with_dropout(undropped, 300_000, slowdown=1.25).dropout == sizing.DROPOUT_AT_BOUND
     assert slower.dropout == sizing.DROPOUT and slower.tokens == pytest.approx(undropped.tokens / 1.25)
     assert slower.epochs == pytest.approx(slower.tokens / 300_000)
     assert sizing.with_dropout(undropped, 300_000, 10.0, base) == undropped  # too dear: no dropout, same tokens
@@ -475,7 +477,8 @@ def test_a_model_at_the_bound_keeps_more_dropout_beside_the_repeated_texts_decay
     assert kept.dropout == sizing.DROPOUT_AT_BOUND and kept.tokens == pytest.approx(undropped.tokens / 1.5)
     assert sizing.with_dropout(undropped, unique, slowdown=10.0, weight_decay=repeated).dropout == 0.2  # any cost
     assert sizing.with_dropout(undropped, unique, weight_decay=None).dropout == 0.2  # null: many epochs, 1.0
-    below = replace(undropped, non_embedding_params=int(0.99 * threshold * unique))
+    below = replace(undropped, non_embedding_params=int(0.99 * threshold * unique),
+                    epochs=0.99 * sizing.DROPOUT_AT_BOUND_EPOCHS)
     assert sizing.with_dropout(below, unique, weight_decay=repeated).dropout == 0.0
     assert sizing.with_dropout(undropped, unique, weight_decay=sizing.WEIGHT_DECAY).dropout == sizing.DROPOUT
 
@@ -483,6 +486,31 @@ def test_a_model_at_the_bound_keeps_more_dropout_beside_the_repeated_texts_decay
     assert chosen.shape == undropped.shape and chosen.dropout == sizing.DROPOUT_AT_BOUND
     saturating = sizing.saturating_tokens(chosen.non_embedding_params, unique, sizing.DROPOUT_REPEAT_DECAY)
     assert chosen.tokens == pytest.approx(saturating) and chosen.tokens > 2.5 * undropped.tokens
+
+
+def test_a_run_of_many_epochs_keeps_more_dropout_beside_the_repeated_texts_decay_at_any_size():
+    """Beside the repeated-text decay a run planned for DROPOUT_AT_BOUND_EPOCHS or more keeps DROPOUT_AT_BOUND
+    however few parameters per token its model has; one just below keeps none. The threshold is the one the runs
+    fit: every run of many epochs measured better with it, every one of fewer measured worse."""
+    from ultrathink.train.sizing_evidence import DROPOUT_FOR_EPOCHS, DROPOUT_OVER_DECAY, dropout_epochs_threshold
+
+    threshold, unique = sizing.DROPOUT_AT_BOUND_EPOCHS, 300_000
+    assert threshold == dropout_epochs_threshold() == 10
+    assert all(c.dropped < c.undropped and c.epochs > threshold for c in DROPOUT_FOR_EPOCHS)
+    assert all(c.dropped > c.undropped and c.epochs < threshold for c in DROPOUT_OVER_DECAY)
+    assert min(c.params_per_token for c in DROPOUT_FOR_EPOCHS) < sizing.DROPOUT_AT_BOUND_PARAMS_PER_TOKEN
+    with pytest.raises(ValueError, match="no threshold separates them"):  # better only below where it was worse
+        dropout_epochs_threshold((replace(DROPOUT_FOR_EPOCHS[0], epochs=8.0),))
+
+    small = sizing.choose(ModelConfig(size="auto", dropout=0.0), 512, unique, flops=3e14)
+    repeated = sizing.REPEATED_WEIGHT_DECAY
+    assert small.non_embedding_params < sizing.DROPOUT_AT_BOUND_PARAMS_PER_TOKEN * unique
+    many = replace(small, epochs=threshold, tokens=threshold * unique)
+    kept = sizing.with_dropout(many, unique, slowdown=1.3, weight_decay=repeated)
+    assert kept.dropout == sizing.DROPOUT_AT_BOUND and kept.tokens == pytest.approx(many.tokens / 1.3)
+    assert kept.epochs == pytest.approx(threshold / 1.3)  # planned at the speed without dropout, then slowed
+    fewer = replace(small, epochs=0.99 * threshold, tokens=0.99 * threshold * unique)
+    assert sizing.with_dropout(fewer, unique, slowdown=1.3, weight_decay=repeated) == replace(fewer, dropout=0.0)
 
 
 def test_dropout_is_not_weighed_beside_the_repeated_texts_decay_where_the_runs_say_so():

@@ -274,9 +274,10 @@ class ModelConfig(Section):
                                   "outputs. null: 0 with size manual; with size auto, 0.1 where the sizing's loss "
                                   "law predicts it pays at the chosen shape (ultrathink/train/sizing.py: "
                                   "with_dropout): off for a few passes over the corpus, where it only costs steps, "
-                                  "on for many, where the model overfits without it; never beside a weight decay of "
-                                  "1.0 or more (train.weight_decay null plans it for many passes), which "
-                                  "regularises better (benchmarks/README.md)")
+                                  "on for many, where the model overfits without it. Beside a weight decay of 1.0 "
+                                  "or more (train.weight_decay null plans it for many passes), which regularises "
+                                  "better, 0.2 only for a model of many parameters per token or a run planned for "
+                                  "10 passes or more, else none (benchmarks/README.md)")
     init_std: float = Field(0.02, gt=0)
     moe: MoEConfig = MoEConfig()
     dre: DREConfig = DREConfig()

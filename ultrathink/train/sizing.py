@@ -34,8 +34,9 @@ minutes measured worse than 2. Dropout is weighed only beside a weight decay bel
 plan gives a run of many epochs that decay (train.weight_decay null, weight_decay_for), and at 10 minutes on two
 corpora the decay alone then measured better than with dropout added (sizing_evidence.DROPOUT_OVER_DECAY). Beside
 that decay only a model of many parameters per unique token (DROPOUT_AT_BOUND_PARAMS_PER_TOKEN, about half the
-bound and more: where a budget is large beside its corpus) keeps dropout, and more of it (DROPOUT_AT_BOUND):
-there the runs read the corpus 10-19 times and dropout 0.2 measured 0.04-0.11 bits/byte better.
+bound and more: where a budget is large beside its corpus), or a run planned for many epochs
+(DROPOUT_AT_BOUND_EPOCHS), keeps dropout, and more of it (DROPOUT_AT_BOUND): there the runs read the corpus 10-19
+times and dropout 0.2 measured 0.01-0.11 bits/byte better.
 
 The batch is the one that gives about TARGET_STEPS optimizer steps (a power of two of sequences, at least
 MIN_BATCH): small budgets need many small steps more than large batches. A budget that buys more tokens than its
@@ -105,6 +106,12 @@ DROPOUT_MIN_PARAMS_PER_TOKEN = 3.7
 # threshold is the geometric middle of that gap (sizing_evidence.dropout_at_bound_threshold).
 DROPOUT_AT_BOUND = 0.2
 DROPOUT_AT_BOUND_PARAMS_PER_TOKEN = 34.0
+# ... and so does a run planned to read its corpus at least this many times, at any size: at 10 minutes on tiny
+# Shakespeare (12 epochs, 22 per token) the decay without dropout memorised the corpus (validation loss up, training
+# loss 2.73 to 1.82 nats) and scored 0.107 bits/byte worse than with 0.2, and worse than 2 minutes; on WikiText-2
+# (11 epochs, 7 per token) 0.013 worse. 0.1 beside the same decay had measured worse at 7 and 9 epochs. The
+# threshold is the geometric middle of that gap (sizing_evidence.dropout_epochs_threshold).
+DROPOUT_AT_BOUND_EPOCHS = 10.0
 # Predicted losses this close (relative) are a tie: the fit cannot tell them apart, and a measured throughput that
 # moves with the machine's load would otherwise pick either. A tie goes to the cheaper shape (fewer FLOPs per
 # token, then fewer parameters): more steps in the same budget.
@@ -331,12 +338,15 @@ def with_dropout(sized: "Sizing", corpus_tokens: int, slowdown: float = 1.0,
     REPEATED_WEIGHT_DECAY or more (`weight_decay`: train.weight_decay's; null: weight_decay_for the sized epochs)
     that decay regularises the repeated text instead: dropout on top of it measured no better where dropout had
     paid beside the base decay (sizing_evidence.DROPOUT_OVER_DECAY), so there only a model of
-    DROPOUT_AT_BOUND_PARAMS_PER_TOKEN or more keeps dropout, DROPOUT_AT_BOUND, at the tokens its slowdown leaves
-    (decided by those runs, not by the law: its repeat discount for dropout was fitted beside the base decay)."""
+    DROPOUT_AT_BOUND_PARAMS_PER_TOKEN or more, or a run of DROPOUT_AT_BOUND_EPOCHS or more (`sized.epochs`, at the
+    speed without dropout), keeps dropout, DROPOUT_AT_BOUND, at the tokens its slowdown leaves (decided by those
+    runs, not by the law: its repeat discount for dropout was fitted beside the base decay)."""
     decay = weight_decay_for(sized.epochs) if weight_decay is None else weight_decay
     dropped = sized.tokens / max(1.0, slowdown)
     if decay >= REPEATED_WEIGHT_DECAY:
-        if sized.non_embedding_params < DROPOUT_AT_BOUND_PARAMS_PER_TOKEN * corpus_tokens:
+        at_bound = (sized.non_embedding_params >= DROPOUT_AT_BOUND_PARAMS_PER_TOKEN * corpus_tokens
+                    or sized.epochs >= DROPOUT_AT_BOUND_EPOCHS)
+        if not at_bound:
             return replace(sized, dropout=0.0)
         return replace(sized, dropout=DROPOUT_AT_BOUND, tokens=dropped, epochs=dropped / corpus_tokens)
     if not dropout_pays(sized.non_embedding_params, sized.tokens, dropped, corpus_tokens):

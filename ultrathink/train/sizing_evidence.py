@@ -406,11 +406,11 @@ def dropout_threshold(repeat_decay: float, dropout_decay: float, sweeps: tuple[S
     return _middle_of_gap(max(erred, default=0.0), min(paid), "the law kept dropout that")
 
 
-def _middle_of_gap(worse: float, better: float, who: str) -> float:
-    """The geometric middle (2 figures) of the parameters per token between `worse`, the most at which dropout
-    measured worse, and `better`, the fewest at which it measured better; raises where they do not separate."""
+def _middle_of_gap(worse: float, better: float, who: str, unit: str = "parameters per token") -> float:
+    """The geometric middle (2 figures) of the `unit` between `worse`, the most at which dropout measured worse,
+    and `better`, the fewest at which it measured better; raises where they do not separate."""
     if worse >= better:
-        raise ValueError(f"{who} measured worse at {worse:.1f} parameters per token, and better at {better:.1f}: "
+        raise ValueError(f"{who} measured worse at {worse:.1f} {unit}, and better at {better:.1f}: "
                          f"no threshold separates them")
     return sizing.round_figures(math.sqrt(worse * better))
 
@@ -454,14 +454,15 @@ class DropoutOverDecay:
     dropped: float  # sizing.REPEATED_WEIGHT_DECAY and sizing.DROPOUT
     base_dropped: float  # sizing.WEIGHT_DECAY and sizing.DROPOUT: what the rule kept before the decay was planned
     params_per_token: float  # the shape's non-embedding parameters per unique training token
+    epochs: float  # the passes over the corpus the run without dropout read
 
 
 # 2026-11-26, eleventh session, the same machine, bf16, `--budget 10min --variant nodrop=model.dropout=0`.
 DROPOUT_OVER_DECAY: tuple[DropoutOverDecay, ...] = (
     DropoutOverDecay("tiny Shakespeare", "d320x4, 838 steps; with dropout 601", 2.1118, 2.1262, 2.1385,
-                     5_082_432 / SHAKESPEARE),
+                     5_082_432 / SHAKESPEARE, 838 * 16 * 256 / SHAKESPEARE),
     DropoutOverDecay("Pride, ntoll's copy", "d320x5, 1325 steps; with dropout 497", 1.5951, 1.5993, 1.6040,
-                     6_352_960 / PRIDE_NTOLL),
+                     6_352_960 / PRIDE_NTOLL, 1325 * 8 * 256 / PRIDE_NTOLL),
 )
 
 
@@ -491,6 +492,41 @@ DROPOUT_AT_BOUND: tuple[DropoutAtBound, ...] = (
     DropoutAtBound("Pride and Prejudice, ntoll's copy, first 100 KB", ZEN5, 2_951_936 / 51_439, (2.1475, 2.1827),
                    (1.9853, 2.0215)),
 )
+
+
+@dataclass(frozen=True)
+class DropoutForEpochs:
+    """The law's pick at a budget that reads its corpus many times, trained with the repeated-text decay without
+    dropout (the shipped rule then) and with sizing.DROPOUT_AT_BOUND (`--set model.dropout=0.2`: the plan sized it
+    again at dropout's slower step), side by side on one machine, one seed."""
+    corpus: str
+    shapes: str  # without dropout; with it
+    epochs: float  # the passes over the corpus the run without dropout read
+    params_per_token: float  # that run's non-embedding parameters per unique training token
+    undropped: float  # held-out bits per byte
+    dropped: float
+
+
+# 2026-11-28, twenty-ninth session, ZEN5, `budget_quality.py --budget 10min --seeds 1337 [--set model.dropout=0.2]`,
+# the auto vocabulary of a long run (tiny Shakespeare 960, 372,624 training tokens; WikiText-2 1408, 685,101).
+# Without dropout both read the corpus 10-13 times; the tiny Shakespeare run's decay raised its validation loss
+# (3.13 to 3.18 nats) while its training loss fell from 2.73 to 1.82, and it scored worse than 2 minutes do.
+DROPOUT_FOR_EPOCHS: tuple[DropoutForEpochs, ...] = (
+    DropoutForEpochs("tiny Shakespeare", "d384x5 batch 16, 1111 steps; d320x4 batch 16, 1142", 4_550_656 / 372_624,
+                     8_114_944 / 372_624, 2.2068, 2.1000),
+    DropoutForEpochs("WikiText-2 valid+test", "d320x4 batch 32, 907 steps; d320x4 batch 16, 1007",
+                     7_430_144 / 685_101, 5_082_432 / 685_101, 1.6685, 1.6557),
+)
+
+
+def dropout_epochs_threshold(paid: tuple[DropoutForEpochs, ...] = DROPOUT_FOR_EPOCHS,
+                             erred: tuple[DropoutOverDecay, ...] = DROPOUT_OVER_DECAY) -> float:
+    """Planned passes over the corpus from which dropout is kept beside the repeated-text decay at any size: the
+    geometric middle (2 figures) of the gap between the most epochs at which dropout beside it measured worse (0.1,
+    the eleventh session's) and the fewest at which 0.2 measured better. Raises where the runs do not separate."""
+    return _middle_of_gap(max(c.epochs for c in erred if c.dropped > c.undropped),
+                          min(c.epochs for c in paid if c.dropped < c.undropped),
+                          "dropout beside the repeated-text decay", "epochs")
 
 
 def dropout_at_bound_threshold(paid: tuple[DropoutAtBound, ...] = DROPOUT_AT_BOUND,
