@@ -567,6 +567,12 @@ def test_a_time_plan_probes_dropout_where_it_could_pay_and_keeps_it_only_if_it_d
     assert decayed.sizing["dropout"] == sizing.DROPOUT_AT_BOUND == probed[-1] and set(probed[:-1]) == {0.0}
     assert decayed.sizing["shape"] == plan.sizing["shape"]
     assert decayed.sizing["non_embedding_params"] > sizing.DROPOUT_AT_BOUND_PARAMS_PER_TOKEN * 20_000
+    small = ModelConfig(size="auto", d_model=64, n_layers=1)  # few parameters per token, many epochs
+    many_epochs, probed = planned(small, weight_decay=None)
+    assert many_epochs.weight_decay == sizing.REPEATED_WEIGHT_DECAY
+    assert many_epochs.sizing["non_embedding_params"] < sizing.DROPOUT_AT_BOUND_PARAMS_PER_TOKEN * 20_000
+    assert many_epochs.sizing["dropout"] == sizing.DROPOUT_AT_BOUND == probed[-1] and set(probed[:-1]) == {0.0}
+    assert many_epochs.sizing["epochs"] * 1.1 > sizing.DROPOUT_AT_BOUND_EPOCHS  # its undropped epochs: ≥ 10
 
 
 def test_auto_vocabulary_follows_the_corpus_size_and_the_budget(tmp_path):
