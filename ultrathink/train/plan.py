@@ -424,30 +424,41 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
             # width (sizing.StepCost), so shapes that use the device better are seen to. Each guess is sized for
             # the seconds the probes so far leave. Shapes are sized at the speed without dropout (the loss law's
             # evidence ran at it); then, where dropout could pay were it free (model.dropout null), its step at the
-            # chosen shape is probed and the law decides at that speed. The shapes probed are then compared at the
-            # tokens their measured speed buys in the seconds left for training (budget.training_seconds: less the
-            # probes, the first steps' extra, and each shape's own validation and checkpoint costs), as
-            # sizing.best_measured says.
+            # chosen shape is probed and the law decides at that speed. Dropout kept, the shape is sized again at
+            # dropout's speed, as a dropout set in params.yaml is: on a CPU a step with it can take 1.3-1.8× as
+            # long, and the shape sized for the faster step then read its corpus half as often as planned. The
+            # shapes probed are compared at the tokens their measured speed buys in the seconds left for training
+            # (budget.training_seconds: less the probes, the first steps' extra, and each shape's own validation
+            # and checkpoint costs), as sizing.best_measured says.
             peak_rate = (peak or 1e11) * world_size
             cost = sizing.StepCost(round_figures(peak_rate * GUESS_UTILISATION))
-            undropped = {"dropout": model_cfg.dropout or 0.0}
-            probed = []  # each probed shape: (its sizing, its probe, its tokens per step, its train config, why)
 
-            def sized_for(shape_keys: dict | None = None) -> Sizing:
+            def sized_for(model_cfg, shape_keys: dict | None = None) -> Sizing:
                 fixed = model_cfg if shape_keys is None else model_cfg.model_copy(update=shape_keys)
                 return sizing.choose(fixed, vocab_size, corpus, seconds=max(1.0, budget.amount - spent()), cost=cost,
                                      batch_size=train_cfg.batch_size, weight_decay=weight_decay,
                                      below_params=ceiling)
 
-            def probe_sized(sized: Sizing, why: str) -> bool | None:
-                """Probe `sized` (without dropout), add it to `probed` and fit the step cost to it: True; False
-                where the last probe was of it; None where it ran out of the device's memory (left out, with
-                every larger shape)."""
-                nonlocal lost, ceiling, cost
+            def probed_as(model_cfg, sized: Sizing):
+                """The model and train configs a probe of `sized` runs: at model_cfg's dropout, 0 where null (a
+                dropout the law would keep is probed after the shape is chosen)."""
                 shaped_model, shaped_train = _sized(model_cfg, train_cfg, sized)
+                return shaped_model.model_copy(update={"dropout": model_cfg.dropout or 0.0}), shaped_train
+
+            def fit_cost(sized: Sizing, taken: Probe, tokens_per_step: int) -> None:
+                nonlocal cost
+                cost = sizing.StepCost.fitted(round_figures(peak_rate), sized.shape, sized.flops_per_token,
+                                              taken.step_seconds / tokens_per_step)
+
+            def probe_sized(model_cfg, probed: list, sized: Sizing, why: str) -> bool | None:
+                """Probe `sized` (at model_cfg's dropout, 0 where null), add it to `probed` and fit the step cost
+                to it: True; False where the last probe was of it; None where it ran out of the device's memory
+                (left out, with every larger shape)."""
+                nonlocal lost, ceiling
+                shaped_model, shaped_train = probed_as(model_cfg, sized)
                 started = time.perf_counter()
                 try:
-                    if not probe_unless_last(shaped_model.model_copy(update=undropped), shaped_train):
+                    if not probe_unless_last(shaped_model, shaped_train):
                         return False
                 except torch.OutOfMemoryError:
                     # A shape the sizing chose, not the user: one that does not fit this device is left out with
@@ -464,22 +475,11 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
                 tokens_per_step = shaped_train.batch_size * shaped_train.grad_accum * shaped_model.seq_len
                 taken = probes[-1][1][2]
                 probed.append((sized, taken, tokens_per_step, shaped_train, why))
-                cost = sizing.StepCost.fitted(round_figures(peak_rate), sized.shape, sized.flops_per_token,
-                                              taken.step_seconds / tokens_per_step)
+                fit_cost(sized, taken, tokens_per_step)
                 return True
 
-            while len(probed) < 2:
-                if probe_sized(sized_for(), "refitted choice" if probed else "first guess") is False:  # just probed
-                    break
-            # One probe more: the choice at the last fitted cost if it was not probed, else the law's runner-up there
-            # when near enough for that cost's error to reverse them (sizing.MEASURE_MARGIN).
-            final = sized_for()
-            measured_shapes = [shaped.shape for shaped, *_ in probed]
-            unprobed = final.shape not in measured_shapes
-            contender = final.shape if unprobed else sizing.near_runner_up(final)
-            if contender is not None and contender not in measured_shapes:
-                probe_sized(sized_for(asdict(contender)), "last choice" if unprobed else "near runner-up")
-            def at_speed(shaped: Sizing, taken: Probe, tokens_per_step: int, cfg, why: str) -> tuple[Sizing, float]:
+            def at_speed(model_cfg, shaped: Sizing, taken: Probe, tokens_per_step: int, cfg,
+                         why: str) -> tuple[Sizing, float]:
                 """A probed shape at the tokens its measured speed buys in the seconds left (sizing.
                 at_measured_speed), and those tokens before saturation cut them."""
                 seconds_per_token = taken.step_seconds / tokens_per_step
@@ -488,27 +488,60 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
                                                  weight_decay)
                 return timed, seconds / seconds_per_token
 
-            timed = [at_speed(*entry) for entry in probed]
-            best = sizing.best_measured([t for t, _ in timed])
-            bought = next(tokens for t, tokens in timed if t is best)
-            sized = replace(best, measured=[sizing.probed_record(t, why) for (t, _), (*_, why) in zip(timed, probed)])
-            # Seconds to spare (the tokens saturated) buy more steps at a smaller batch on a GPU: measured, not
-            # predicted, since a step there takes about as long at half the batch (sizing.spare_batch).
-            batch = None if train_cfg.batch_size is not None else sizing.spare_batch(
-                sized, bought, corpus, device, world_size, train_cfg.grad_accum)
-            if batch is not None and probe_sized(replace(sized, batch_size=batch), "spare seconds: a smaller batch"):
-                smaller, _ = at_speed(*probed[-1])
-                sized = replace(smaller, measured=sized.measured + [sizing.probed_record(smaller, probed[-1][-1])])
-            shaped_model, shaped_train = _sized(model_cfg, train_cfg, sized)
-            probe_last(shaped_model.model_copy(update=undropped), shaped_train)
+            def size_in_seconds(model_cfg, probed: list) -> Sizing:
+                """The shape (and batch) for the seconds left, at model_cfg's dropout (0 where null): probed until
+                the step cost fitted to the probes chooses a shape already probed, then the best measured.
+                `probed` may hold a shape already measured at that dropout."""
+                while len(probed) < 2:
+                    if probe_sized(model_cfg, probed, sized_for(model_cfg),
+                                   "refitted choice" if probed else "first guess") is False:  # just probed
+                        break
+                # One probe more: the choice at the last fitted cost if it was not probed, else the law's runner-up
+                # there when near enough for that cost's error to reverse them (sizing.MEASURE_MARGIN).
+                final = sized_for(model_cfg)
+                measured_shapes = [shaped.shape for shaped, *_ in probed]
+                unprobed = final.shape not in measured_shapes
+                contender = final.shape if unprobed else sizing.near_runner_up(final)
+                if contender is not None and contender not in measured_shapes:
+                    probe_sized(model_cfg, probed, sized_for(model_cfg, asdict(contender)),
+                                "last choice" if unprobed else "near runner-up")
+                timed = [at_speed(model_cfg, *entry) for entry in probed]
+                best = sizing.best_measured([t for t, _ in timed])
+                bought = next(tokens for t, tokens in timed if t is best)
+                records = [sizing.probed_record(t, why) for (t, _), (*_, why) in zip(timed, probed)]
+                sized = replace(best, measured=records)
+                # Seconds to spare (the tokens saturated) buy more steps at a smaller batch on a GPU: measured, not
+                # predicted, since a step there takes about as long at half the batch (sizing.spare_batch).
+                batch = None if train_cfg.batch_size is not None else sizing.spare_batch(
+                    sized, bought, corpus, device, world_size, train_cfg.grad_accum)
+                if batch is not None and probe_sized(model_cfg, probed, replace(sized, batch_size=batch),
+                                                     "spare seconds: a smaller batch"):
+                    smaller, _ = at_speed(model_cfg, *probed[-1])
+                    sized = replace(smaller, measured=sized.measured + [sizing.probed_record(smaller, probed[-1][-1])])
+                probe_last(*probed_as(model_cfg, sized))
+                return sized
+
+            sized = size_in_seconds(model_cfg, [])
             if model_cfg.dropout is None and sized.dropout:
                 undropped_step = probes[-1][1][2].step_seconds
-                probe_unless_last(*_sized(model_cfg, train_cfg, sized))
-                slowdown = probes[-1][1][2].step_seconds / undropped_step
+                shaped_model, shaped_train = _sized(model_cfg, train_cfg, sized)
+                probe_unless_last(shaped_model, shaped_train)
+                dropped = probes[-1][1][2]
+                slowdown = dropped.step_seconds / undropped_step
                 level = sized.dropout
                 sized = sizing.with_dropout(sized, corpus, slowdown, weight_decay)  # tokens: those without dropout
                 log.info("model.dropout null: a step with dropout %g measured %.2f× as long at this shape; %s",
-                         level, slowdown, "kept" if sized.dropout else "predicted not to pay: 0")
+                         level, slowdown, "kept, so the shape is sized again at that speed" if sized.dropout
+                         else "predicted not to pay: 0")
+                if sized.dropout:
+                    kept = model_cfg.model_copy(update={"dropout": sized.dropout})
+                    tokens_per_step = shaped_train.batch_size * shaped_train.grad_accum * shaped_model.seq_len
+                    fit_cost(sized, dropped, tokens_per_step)
+                    undropped_records = sized.measured
+                    sized = size_in_seconds(kept, [(sized, dropped, tokens_per_step, shaped_train,
+                                                    "the choice without dropout")])
+                    sized = replace(sized, measured=undropped_records + [
+                        {**record, "why": f"{record['why']}, dropout {kept.dropout:g}"} for record in sized.measured])
         else:
             sized = sizing.choose(model_cfg, vocab_size, corpus, batch_size=train_cfg.batch_size,
                                   weight_decay=weight_decay,

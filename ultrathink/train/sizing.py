@@ -24,19 +24,19 @@ The rule, in three steps:
 Dropout (model.dropout null) is DROPOUT or 0, whichever the same law predicts better for the chosen shape
 (dropout_pays). Dropout slows a step (on a CPU it also takes attention off its flash kernel), so it leaves fewer
 tokens; what it buys is repeated tokens that keep more of their worth: with it their repeats are discounted at
-DROPOUT_REPEAT_DECAY, without it at REPEAT_DECAY. A time budget's plan measures the slowdown at the chosen shape;
-a FLOPs or tokens budget is not shortened by it. The law has no term for how much a model overfits, so dropout is
-also kept only for models with many parameters per unique token (DROPOUT_MIN_PARAMS_PER_TOKEN). Both constants
-are fitted to runs side by side (sizing_evidence.py): the 2-minute models (1–6 parameters per token) measured
-0.04–0.08 bits/byte worse with it at 3.5–7 epochs, 5 minutes on Pride (17 per token, 5.7 epochs, as the law
-predicts) 0.04 worse, the 10-minute ones (10 and 21 per token, 7–9 epochs) 0.07–0.11 better, where without it 10
-minutes measured worse than 2. Dropout is weighed only beside a weight decay below REPEATED_WEIGHT_DECAY: the
-plan gives a run of many epochs that decay (train.weight_decay null, weight_decay_for), and at 10 minutes on two
-corpora the decay alone then measured better than with dropout added (sizing_evidence.DROPOUT_OVER_DECAY). Beside
-that decay only a model of many parameters per unique token (DROPOUT_AT_BOUND_PARAMS_PER_TOKEN, about half the
-bound and more: where a budget is large beside its corpus), or a run planned for many epochs
-(DROPOUT_AT_BOUND_EPOCHS), keeps dropout, and more of it (DROPOUT_AT_BOUND): there the runs read the corpus 10-19
-times and dropout 0.2 measured 0.01-0.11 bits/byte better.
+DROPOUT_REPEAT_DECAY, without it at REPEAT_DECAY. A time budget's plan measures the slowdown at the chosen shape
+and, dropout kept, sizes the shape again at that speed (plan.py); a FLOPs or tokens budget is not shortened by it.
+The law has no term for how much a model overfits, so dropout is also kept only for models with many parameters per
+unique token (DROPOUT_MIN_PARAMS_PER_TOKEN). Both constants are fitted to runs side by side (sizing_evidence.py):
+the 2-minute models (1–6 parameters per token) measured 0.04–0.08 bits/byte worse with it at 3.5–7 epochs, 5 minutes
+on Pride (17 per token, 5.7 epochs, as the law predicts) 0.04 worse, the 10-minute ones (10 and 21 per token, 7–9
+epochs) 0.07–0.11 better, where without it 10 minutes measured worse than 2. Dropout is weighed only beside a weight
+decay below REPEATED_WEIGHT_DECAY: the plan gives a run of many epochs that decay (train.weight_decay null,
+weight_decay_for), and at 10 minutes on two corpora the decay alone then measured better than with dropout added
+(sizing_evidence.DROPOUT_OVER_DECAY). Beside that decay only a model of many parameters per unique token
+(DROPOUT_AT_BOUND_PARAMS_PER_TOKEN, about half the bound and more: where a budget is large beside its corpus), or a
+run planned for many epochs (DROPOUT_AT_BOUND_EPOCHS), keeps dropout, and more of it (DROPOUT_AT_BOUND): there the
+runs read the corpus 10-19 times and dropout 0.2 measured 0.01-0.11 bits/byte better.
 
 The batch is the one that gives about TARGET_STEPS optimizer steps (a power of two of sequences, at least
 MIN_BATCH): small budgets need many small steps more than large batches. A budget that buys more tokens than its
