@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 GUESS_UTILISATION = 0.3  # model.size auto's first guess at the share of the device's matmul peak a step reaches
 BF16_MIN_GAIN = 1.2  # precision auto takes bf16 on a CPU only when its matmuls are at least this much faster
 PEAK_SIZES = (1024, 2048)  # matmul sizes timed for a CPU's peak: small ones reach a fraction of it (512²: half here)
+# A time plan that keeps dropout sizes its shape again at dropout's speed only where a step with it measured more than
+# this much slower: a fifth of the tokens moves the law's prediction by about sizing.MEASURE_MARGIN, within the error
+# of the step-cost model that sized the shape, so a smaller slowdown would only spend the budget on probes.
+RESIZE_SLOWDOWN = 1.2
 
 
 # ---- machine class -----------------------------------------------------------------------------------------------
@@ -426,7 +430,8 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
             # evidence ran at it); then, where dropout could pay were it free (model.dropout null), its step at the
             # chosen shape is probed and the law decides at that speed. Dropout kept, the shape is sized again at
             # dropout's speed, as a dropout set in params.yaml is: on a CPU a step with it can take 1.3-1.8× as
-            # long, and the shape sized for the faster step then read its corpus half as often as planned. The
+            # long, and the shape sized for the faster step then read its corpus half as often as planned. Not for
+            # a slowdown within RESIZE_SLOWDOWN (a GPU's: 1.01-1.06× on an H200). The
             # shapes probed are compared at the tokens their measured speed buys in the seconds left for training
             # (budget.training_seconds: less the probes, the first steps' extra, and each shape's own validation
             # and checkpoint costs), as sizing.best_measured says.
@@ -531,9 +536,9 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
                 level = sized.dropout
                 sized = sizing.with_dropout(sized, corpus, slowdown, weight_decay)  # tokens: those without dropout
                 log.info("model.dropout null: a step with dropout %g measured %.2f× as long at this shape; %s",
-                         level, slowdown, "kept, so the shape is sized again at that speed" if sized.dropout
-                         else "predicted not to pay: 0")
-                if sized.dropout:
+                         level, slowdown, "predicted not to pay: 0" if not sized.dropout else "kept" + (
+                             ", so the shape is sized again at that speed" if slowdown > RESIZE_SLOWDOWN else ""))
+                if sized.dropout and slowdown > RESIZE_SLOWDOWN:
                     kept = model_cfg.model_copy(update={"dropout": sized.dropout})
                     tokens_per_step = shaped_train.batch_size * shaped_train.grad_accum * shaped_model.seq_len
                     fit_cost(sized, dropped, tokens_per_step)
