@@ -423,18 +423,17 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
     if model_cfg.size == "auto":
         corpus = len(train_tokens)
         if budget.kind == "seconds":
-            # First guess from the device's matmul peak at a typical small-model utilisation, then once more from
-            # the step time measured on that guess: the peak's share of it and the rest, which grows with layers ×
-            # width (sizing.StepCost), so shapes that use the device better are seen to. Each guess is sized for
-            # the seconds the probes so far leave. Shapes are sized at the speed without dropout (the loss law's
-            # evidence ran at it); then, where dropout could pay were it free (model.dropout null), its step at the
-            # chosen shape is probed and the law decides at that speed. Dropout kept, the shape is sized again at
-            # dropout's speed, as a dropout set in params.yaml is: on a CPU a step with it can take 1.3-1.8× as
-            # long, and the shape sized for the faster step then read its corpus half as often as planned. Not for
-            # a slowdown within RESIZE_SLOWDOWN (a GPU's: 1.01-1.06× on an H200). The
-            # shapes probed are compared at the tokens their measured speed buys in the seconds left for training
-            # (budget.training_seconds: less the probes, the first steps' extra, and each shape's own validation
-            # and checkpoint costs), as sizing.best_measured says.
+            # First guess from the device's matmul peak at a typical small-model utilisation, then once more from the
+            # step time measured on that guess: the peak's share of it and the rest, which grows with layers × width
+            # (sizing.StepCost), so shapes that use the device better are seen to. Each guess is sized for the seconds
+            # the probes so far leave. Shapes are sized at the speed without dropout (the loss law's evidence ran at
+            # it); then, where dropout could pay were it free (model.dropout null), its step at the chosen shape is
+            # probed and the law decides at that speed. Dropout kept, the shape is sized again at dropout's speed, as a
+            # dropout set in params.yaml is: on a CPU a step with it can take 1.3-1.8× as long, and the shape sized for
+            # the faster step then read its corpus half as often as planned. Not for a slowdown within RESIZE_SLOWDOWN
+            # (a GPU's: 1.01-1.06× on an H200). The shapes probed are compared at the tokens their measured speed buys
+            # in the seconds left for training (budget.training_seconds: less the probes, the first steps' extra, and
+            # each shape's own validation and checkpoint costs), as sizing.best_measured says.
             peak_rate = (peak or 1e11) * world_size
             cost = sizing.StepCost(round_figures(peak_rate * GUESS_UTILISATION))
 
