@@ -162,6 +162,11 @@ def apply_plan(plan: Plan, model_cfg, train_cfg):
     return model_cfg, train_cfg.model_copy(update=decided)
 
 
+def global_tokens(model_cfg, train_cfg) -> int:
+    """The tokens of one optimizer step: the global batch's sequences (every rank's micro-batches) × their length."""
+    return train_cfg.batch_size * train_cfg.grad_accum * model_cfg.seq_len
+
+
 def _sized(model_cfg, train_cfg, sized):
     dropout = model_cfg.dropout if sized.dropout is None else sized.dropout  # None: a plan from before it was sized
     return (model_cfg.model_copy(update={**asdict(sized.shape), "dropout": dropout, "size": "manual"}),
@@ -476,10 +481,10 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
                     log.warning("model.size auto: %s (%.1fM params) ran out of %s memory in its probe; choosing "
                                 "among smaller shapes", sized.shape, sized.params / 1e6, device)
                     return None
-                tokens_per_step = shaped_train.batch_size * shaped_train.grad_accum * shaped_model.seq_len
                 taken = probes[-1][1][2]
-                probed.append((sized, taken, tokens_per_step, shaped_train, why))
-                fit_cost(sized, taken, tokens_per_step)
+                tokens = global_tokens(shaped_model, shaped_train)
+                probed.append((sized, taken, tokens, shaped_train, why))
+                fit_cost(sized, taken, tokens)
                 return True
 
             def at_speed(model_cfg, shaped: Sizing, taken: Probe, tokens_per_step: int, cfg,
@@ -534,16 +539,16 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
                 slowdown = dropped.step_seconds / undropped_step
                 level = sized.dropout
                 sized = sizing.with_dropout(sized, corpus, slowdown, weight_decay)  # tokens: those without dropout
+                resize = sized.dropout and slowdown > RESIZE_SLOWDOWN
                 log.info("model.dropout null: a step with dropout %g measured %.2f× as long at this shape; %s",
-                         level, slowdown, "predicted not to pay: 0" if not sized.dropout else "kept" + (
-                             ", so the shape is sized again at that speed" if slowdown > RESIZE_SLOWDOWN else ""))
-                if sized.dropout and slowdown > RESIZE_SLOWDOWN:
+                         level, slowdown, "kept, so the shape is sized again at that speed" if resize
+                         else "kept" if sized.dropout else "predicted not to pay: 0")
+                if resize:
                     kept = model_cfg.model_copy(update={"dropout": sized.dropout})
-                    tokens_per_step = shaped_train.batch_size * shaped_train.grad_accum * shaped_model.seq_len
-                    fit_cost(sized, dropped, tokens_per_step)
+                    tokens = global_tokens(shaped_model, shaped_train)
+                    fit_cost(sized, dropped, tokens)
                     undropped_records = sized.measured
-                    sized = size_in_seconds(kept, [(sized, dropped, tokens_per_step, shaped_train,
-                                                    "the choice without dropout")])
+                    sized = size_in_seconds(kept, [(sized, dropped, tokens, shaped_train, "the choice without dropout")])
                     sized = replace(sized, measured=undropped_records + [
                         {**record, "why": f"{record['why']}, dropout {kept.dropout:g}"} for record in sized.measured])
         else:
@@ -555,7 +560,7 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
                                            train_cfg.grad_accum)
                 sized = sized if batch is None else replace(sized, batch_size=batch)
         model_cfg, train_cfg = _sized(model_cfg, train_cfg, sized)
-    tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * model_cfg.seq_len  # the global batch
+    tokens_per_step = global_tokens(model_cfg, train_cfg)
     flops_per_token = sizing.counts(sizing.Shape.of(model_cfg), model_cfg, vocab_size)[2]
     measured = None
     if budget is not None and (budget.kind == "seconds" or train_cfg.compile == "auto"):
