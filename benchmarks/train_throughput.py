@@ -53,10 +53,11 @@ SHAPE = dict(d_model=384, n_layers=6, n_heads=6, n_kv_heads=6, seq_len=256)
 VOCAB, BATCH = 4096, 8
 
 
-def ultrathink_step(workdir: Path, dist: Distributed, compile: bool, model_keys: dict | None = None, **train):
-    """A Trainer over random tokens on `dist`'s device; returns its train_step and model."""
+def ultrathink_step(workdir: Path, dist: Distributed, compile: bool, precision: str, model_keys: dict | None = None,
+                    **train):
+    """A Trainer over random tokens on `dist`'s device, in `precision`; returns its train_step and model."""
     cfg = ModelConfig(**{**SHAPE, "dropout": 0.0, **(model_keys or {})})
-    settings = TrainConfig(batch_size=BATCH, max_steps=10**6, warmup_steps=10, lr=1e-3, precision="auto",
+    settings = TrainConfig(batch_size=BATCH, max_steps=10**6, warmup_steps=10, lr=1e-3, precision=precision,
                            compile=compile, eval_every=10**9, checkpoint_every=10**9,
                            **{"weight_decay": 0.1, **train})  # no plan here: a set decay (its value costs no time)
     tokens = np.random.default_rng(0).integers(0, VOCAB, 200_000).astype(np.uint16)
@@ -138,6 +139,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default: d_model, at most 256)")
     parser.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu, cuda, cuda:N")
+    parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
+                        help="every row's (train.precision): fp32 on a CPU with native bf16 emulates the slow class")
     parser.add_argument("--profile", action="store_true",
                         help="after the timing, each row's top kernels over two steps (torch.profiler)")
     parser.add_argument("--bare", action="store_true",
@@ -156,7 +159,7 @@ def main() -> None:
     device = resolve_device(args.device)
     dist = Distributed(device=str(device))
     keep_freed_host_memory()  # as the train stage does (for every model here: they share the process)
-    precision = resolve_precision("auto", device.type)
+    precision = resolve_precision(args.precision, device.type)
     torch.manual_seed(0)
     x = torch.randint(0, VOCAB, (BATCH, SHAPE["seq_len"]), device=device)
     gpt = GPT(VOCAB, SHAPE["d_model"], SHAPE["n_layers"], SHAPE["n_heads"], SHAPE["seq_len"])
@@ -172,14 +175,14 @@ def main() -> None:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tmp) / "inductor"))
         os.environ.setdefault("TRITON_CACHE_DIR", str(Path(tmp) / "triton"))
         steps, params = {}, {}
-        steps["ultrathink"], model = ultrathink_step(Path(tmp), dist, compile=False)
+        steps["ultrathink"], model = ultrathink_step(Path(tmp), dist, compile=False, precision=precision)
         params["ultrathink"] = model.num_params()
         for item in args.model_keys:
             key, value = item.split("=", 1)
-            steps[f"ultrathink[{item}]"], _ = ultrathink_step(Path(tmp), dist, compile=False,
+            steps[f"ultrathink[{item}]"], _ = ultrathink_step(Path(tmp), dist, compile=False, precision=precision,
                                                              model_keys={key: yaml.safe_load(value)})
         if args.torch_path:
-            step, _ = ultrathink_step(Path(tmp), dist, compile=False)
+            step, _ = ultrathink_step(Path(tmp), dist, compile=False, precision=precision)
             steps["ultrathink[torch path]"] = on_torch_path(step)
         if args.bare:
             bare = ready_model(UltraThink(cfg, VOCAB), TrainConfig(), None, dist)
@@ -194,7 +197,7 @@ def main() -> None:
                                            lambda: hf(input_ids=x, labels=x).loss, precision, device)
         params["hf_llama"] = sum(p.numel() for p in hf.parameters())
         if not args.no_compile:
-            steps["ultrathink+compile"], _ = ultrathink_step(Path(tmp), dist, compile=True)
+            steps["ultrathink+compile"], _ = ultrathink_step(Path(tmp), dist, compile=True, precision=precision)
             compiled = torch.compile(gpt)
             steps["gpt2_ref+compile"] = reference_step(gpt, gpt.optimizer(1e-3), lambda: compiled(x, x), precision,
                                                        device)
