@@ -342,7 +342,8 @@ def test_dropout_is_kept_where_the_law_predicts_it_pays_and_a_set_value_wins():
     passes over the corpus, yes for many, never once a step with it costs too many tokens, and never less for more
     epochs. A number set in params.yaml is kept at any budget. All beside the base weight decay: beside the
     repeated-text one (set, or planned for many epochs) a model below DROPOUT_AT_BOUND_PARAMS_PER_TOKEN keeps none
-    below DROPOUT_AT_BOUND_EPOCHS (the next test: one above either keeps DROPOUT_AT_BOUND)."""
+    below DROPOUT_AT_BOUND_EPOCHS (the next tests: one above either, for the epochs by a model of
+    DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN or more, keeps DROPOUT_AT_BOUND)."""
     assert Params(model=AUTO_SHAPE).model.dropout == 0.0
     auto, base = ModelConfig(size="auto"), sizing.WEIGHT_DECAY
     few, many = (sizing.choose(auto, 512, 300_000, flops=f, weight_decay=base) for f in (1e12, 3e14))
@@ -488,15 +489,24 @@ def test_a_model_at_the_bound_keeps_more_dropout_beside_the_repeated_texts_decay
     assert chosen.tokens == pytest.approx(saturating) and chosen.tokens > 2.5 * undropped.tokens
 
 
-def test_a_run_of_many_epochs_keeps_more_dropout_beside_the_repeated_texts_decay_at_any_size():
+def test_a_run_of_many_epochs_keeps_more_dropout_beside_the_repeated_texts_decay_unless_its_model_is_small():
     """Beside the repeated-text decay a run planned for DROPOUT_AT_BOUND_EPOCHS or more keeps DROPOUT_AT_BOUND
-    however few parameters per token its model has; one just below keeps none. The threshold is the one the runs
-    fit: every run of many epochs measured better with it, every one of fewer measured worse."""
-    from ultrathink.train.sizing_evidence import DROPOUT_FOR_EPOCHS, DROPOUT_OVER_DECAY, dropout_epochs_threshold
+    from DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN up, far below the bound's DROPOUT_AT_BOUND_PARAMS_PER_TOKEN; one just
+    below either keeps none. The thresholds are the ones the runs fit: every law's pick of many epochs measured
+    better with it, every run of fewer epochs worse, and so did the smallest model of many epochs at every seed."""
+    from ultrathink.train.sizing_evidence import (DROPOUT_FOR_EPOCHS, DROPOUT_FOR_EPOCHS_SMALL, DROPOUT_OVER_DECAY,
+                                                  dropout_epochs_threshold, dropout_for_epochs_threshold)
 
     threshold, unique = sizing.DROPOUT_AT_BOUND_EPOCHS, 300_000
+    per_token = sizing.DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN
     assert threshold == dropout_epochs_threshold() == 10
+    assert per_token == dropout_for_epochs_threshold() == 5.2
     assert all(c.dropped < c.undropped and c.epochs > threshold for c in DROPOUT_FOR_EPOCHS)
+    assert all(c.epochs > threshold and c.params_per_token < per_token for c in DROPOUT_FOR_EPOCHS_SMALL)
+    assert all(d > u for c in DROPOUT_FOR_EPOCHS_SMALL for d, u in zip(c.dropped_runs, c.undropped_runs))
+    assert min(c.params_per_token for c in DROPOUT_FOR_EPOCHS) > per_token
+    with pytest.raises(ValueError, match="no threshold separates them"):  # worse above where it was better
+        dropout_for_epochs_threshold(erred=(replace(DROPOUT_FOR_EPOCHS_SMALL[0], params_per_token=8.0),))
     assert all(c.dropped > c.undropped and c.epochs < threshold for c in DROPOUT_OVER_DECAY)
     assert min(c.params_per_token for c in DROPOUT_FOR_EPOCHS) < sizing.DROPOUT_AT_BOUND_PARAMS_PER_TOKEN
     with pytest.raises(ValueError, match="no threshold separates them"):  # better only below where it was worse
@@ -504,13 +514,16 @@ def test_a_run_of_many_epochs_keeps_more_dropout_beside_the_repeated_texts_decay
 
     small = sizing.choose(ModelConfig(size="auto", dropout=0.0), 512, unique, flops=3e14)
     repeated = sizing.REPEATED_WEIGHT_DECAY
-    assert small.non_embedding_params < sizing.DROPOUT_AT_BOUND_PARAMS_PER_TOKEN * unique
+    assert per_token * unique < small.non_embedding_params < sizing.DROPOUT_AT_BOUND_PARAMS_PER_TOKEN * unique
     many = replace(small, epochs=threshold, tokens=threshold * unique)
     kept = sizing.with_dropout(many, unique, slowdown=1.3, weight_decay=repeated)
     assert kept.dropout == sizing.DROPOUT_AT_BOUND and kept.tokens == pytest.approx(many.tokens / 1.3)
     assert kept.epochs == pytest.approx(threshold / 1.3)  # planned at the speed without dropout, then slowed
     fewer = replace(small, epochs=0.99 * threshold, tokens=0.99 * threshold * unique)
     assert sizing.with_dropout(fewer, unique, slowdown=1.3, weight_decay=repeated) == replace(fewer, dropout=0.0)
+    smaller = replace(many, non_embedding_params=int(0.99 * per_token * unique))
+    assert sizing.with_dropout(smaller, unique, slowdown=1.3, weight_decay=repeated) == replace(smaller, dropout=0.0)
+    assert sizing.with_dropout(replace(smaller, epochs=100.0), unique, weight_decay=None).dropout == 0.0
 
 
 def test_dropout_is_not_weighed_beside_the_repeated_texts_decay_where_the_runs_say_so():
@@ -574,13 +587,18 @@ def test_a_time_plan_probes_dropout_where_it_could_pay_and_keeps_it_only_if_it_d
     assert decayed.sizing["dropout"] == sizing.DROPOUT_AT_BOUND and _undropped_then(probed, sizing.DROPOUT_AT_BOUND)
     assert decayed.sizing["shape"] == plan.sizing["shape"]
     assert decayed.sizing["non_embedding_params"] > sizing.DROPOUT_AT_BOUND_PARAMS_PER_TOKEN * 20_000
-    small = ModelConfig(size="auto", d_model=64, n_layers=1)  # few parameters per token, many epochs
+    small = ModelConfig(size="auto", d_model=128, n_layers=1)  # fewer parameters per token, many epochs
     many_epochs, probed = planned(small, weight_decay=None)
     assert many_epochs.weight_decay == sizing.REPEATED_WEIGHT_DECAY
-    assert many_epochs.sizing["non_embedding_params"] < sizing.DROPOUT_AT_BOUND_PARAMS_PER_TOKEN * 20_000
+    per_token = many_epochs.sizing["non_embedding_params"] / 20_000
+    assert sizing.DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN < per_token < sizing.DROPOUT_AT_BOUND_PARAMS_PER_TOKEN
     assert many_epochs.sizing["dropout"] == sizing.DROPOUT_AT_BOUND
     assert _undropped_then(probed, sizing.DROPOUT_AT_BOUND)
     assert many_epochs.sizing["epochs"] * 1.1 > sizing.DROPOUT_AT_BOUND_EPOCHS  # its undropped epochs: ≥ 10
+    smallest, probed = planned(ModelConfig(size="auto", d_model=64, n_layers=1), weight_decay=None)
+    assert smallest.sizing["non_embedding_params"] < sizing.DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN * 20_000
+    assert smallest.sizing["epochs"] > sizing.DROPOUT_AT_BOUND_EPOCHS and smallest.weight_decay == 1.0
+    assert smallest.sizing["dropout"] == 0.0 and set(probed) == {0.0}  # never worth a probe
 
 
 def test_a_time_plan_that_keeps_dropout_sizes_its_shape_again_at_dropouts_speed():

@@ -35,8 +35,9 @@ decay below REPEATED_WEIGHT_DECAY: the plan gives a run of many epochs that deca
 weight_decay_for), and at 10 minutes on two corpora the decay alone then measured better than with dropout added
 (sizing_evidence.DROPOUT_OVER_DECAY). Beside that decay only a model of many parameters per unique token
 (DROPOUT_AT_BOUND_PARAMS_PER_TOKEN, about half the bound and more: where a budget is large beside its corpus), or a
-run planned for many epochs (DROPOUT_AT_BOUND_EPOCHS), keeps dropout, and more of it (DROPOUT_AT_BOUND): there the
-runs read the corpus 10-19 times and dropout 0.2 measured 0.01-0.11 bits/byte better.
+run planned for many epochs (DROPOUT_AT_BOUND_EPOCHS) by a model not among the smallest per token
+(DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN), keeps dropout, and more of it (DROPOUT_AT_BOUND): there the runs read the
+corpus 10-19 times and dropout 0.2 measured 0.01-0.11 bits/byte better.
 
 The batch is the one that gives about TARGET_STEPS optimizer steps (a power of two of sequences, at least
 MIN_BATCH): small budgets need many small steps more than large batches. A budget that buys more tokens than its
@@ -106,12 +107,16 @@ DROPOUT_MIN_PARAMS_PER_TOKEN = 3.7
 # threshold is the geometric middle of that gap (sizing_evidence.dropout_at_bound_threshold).
 DROPOUT_AT_BOUND = 0.2
 DROPOUT_AT_BOUND_PARAMS_PER_TOKEN = 34.0
-# ... and so does a run planned to read its corpus at least this many times, at any size: at 10 minutes on tiny
-# Shakespeare (12 epochs, 22 per token) the decay without dropout memorised the corpus (validation loss up, training
-# loss 2.73 to 1.82 nats) and scored 0.107 bits/byte worse than with 0.2, and worse than 2 minutes; on WikiText-2
-# (11 epochs, 7 per token) 0.013 worse. 0.1 beside the same decay had measured worse at 7 and 9 epochs. The
-# threshold is the geometric middle of that gap (sizing_evidence.dropout_epochs_threshold).
+# ... and so does a run planned to read its corpus at least this many times, by a model of at least
+# DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN: at 10 minutes on tiny Shakespeare (12 epochs, 22 per token) the decay without
+# dropout memorised the corpus (validation loss up, training loss 2.73 to 1.82 nats) and scored 0.107 bits/byte worse
+# than with 0.2, and worse than 2 minutes; on WikiText-2 (11 epochs, 7.4 per token) 0.013 worse. 0.1 beside the same
+# decay had measured worse at 7 and 9 epochs. The threshold is the geometric middle of that gap
+# (sizing_evidence.dropout_epochs_threshold). A model of 3.6 per token read 12 times (tiny Shakespeare's 2-minute
+# shape) measured 0.015 worse with 0.2 at both seeds, even at equal steps, and through a 3-minute plan of that shape
+# 0.016-0.018 worse; the size is the geometric middle of 3.6 and 7.4 (sizing_evidence.dropout_for_epochs_threshold).
 DROPOUT_AT_BOUND_EPOCHS = 10.0
+DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN = 5.2
 # Predicted losses this close (relative) are a tie: the fit cannot tell them apart, and a measured throughput that
 # moves with the machine's load would otherwise pick either. A tie goes to the cheaper shape (fewer FLOPs per
 # token, then fewer parameters): more steps in the same budget.
@@ -339,13 +344,16 @@ def with_dropout(sized: "Sizing", corpus_tokens: int, slowdown: float = 1.0,
     that decay regularises the repeated text instead: dropout on top of it measured no better where dropout had
     paid beside the base decay (sizing_evidence.DROPOUT_OVER_DECAY), so there only a model of
     DROPOUT_AT_BOUND_PARAMS_PER_TOKEN or more, or a run of DROPOUT_AT_BOUND_EPOCHS or more (`sized.epochs`, at the
-    speed without dropout), keeps dropout, DROPOUT_AT_BOUND, at the tokens its slowdown leaves (decided by those
-    runs, not by the law: its repeat discount for dropout was fitted beside the base decay)."""
+    speed without dropout) by one of DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN or more, keeps dropout, DROPOUT_AT_BOUND,
+    at the tokens its slowdown leaves (decided by those runs, not by the law: its repeat discount for dropout was
+    fitted beside the base decay)."""
     decay = weight_decay_for(sized.epochs) if weight_decay is None else weight_decay
     dropped = sized.tokens / max(1.0, slowdown)
     if decay >= REPEATED_WEIGHT_DECAY:
-        at_bound = (sized.non_embedding_params >= DROPOUT_AT_BOUND_PARAMS_PER_TOKEN * corpus_tokens
-                    or sized.epochs >= DROPOUT_AT_BOUND_EPOCHS)
+        def at_least(per_token: float) -> bool:
+            return sized.non_embedding_params >= per_token * corpus_tokens
+        at_bound = (at_least(DROPOUT_AT_BOUND_PARAMS_PER_TOKEN)
+                    or (sized.epochs >= DROPOUT_AT_BOUND_EPOCHS and at_least(DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN)))
         if not at_bound:
             return replace(sized, dropout=0.0)
         return replace(sized, dropout=DROPOUT_AT_BOUND, tokens=dropped, epochs=dropped / corpus_tokens)

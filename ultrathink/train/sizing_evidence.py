@@ -496,37 +496,67 @@ DROPOUT_AT_BOUND: tuple[DropoutAtBound, ...] = (
 
 @dataclass(frozen=True)
 class DropoutForEpochs:
-    """The law's pick at a budget that reads its corpus many times, trained with the repeated-text decay without
-    dropout (the shipped rule then) and with sizing.DROPOUT_AT_BOUND (`--set model.dropout=0.2`: the plan sized it
-    again at dropout's slower step), side by side on one machine, one seed."""
+    """A run that reads its corpus many times, trained with the repeated-text decay without dropout and with
+    sizing.DROPOUT_AT_BOUND, side by side on one machine, one pair per seed."""
     corpus: str
     shapes: str  # without dropout; with it
     epochs: float  # the passes over the corpus the run without dropout read
     params_per_token: float  # that run's non-embedding parameters per unique training token
-    undropped: float  # held-out bits per byte
-    dropped: float
+    undropped_runs: tuple[float, ...]  # held-out bits per byte, one per seed
+    dropped_runs: tuple[float, ...]  # the same seeds
+
+    @property
+    def undropped(self) -> float:
+        return statistics.fmean(self.undropped_runs)
+
+    @property
+    def dropped(self) -> float:
+        return statistics.fmean(self.dropped_runs)
 
 
-# 2026-11-28, twenty-ninth session, ZEN5, `budget_quality.py --budget 10min --seeds 1337 [--set model.dropout=0.2]`,
-# the auto vocabulary of a long run (tiny Shakespeare 960, 372,624 training tokens; WikiText-2 1408, 685,101).
+# The law's picks at a budget that reads the corpus many times, without dropout (the shipped rule then) and with
+# 0.2 (the plan sized it again at dropout's slower step): 2026-11-28, twenty-ninth session, ZEN5,
+# `budget_quality.py --budget 10min --seeds 1337 [--set model.dropout=0.2]`, the auto vocabulary of a long run (tiny
+# Shakespeare 960, 372,624 training tokens; WikiText-2 1408, 685,101).
 # Without dropout both read the corpus 10-13 times; the tiny Shakespeare run's decay raised its validation loss
 # (3.13 to 3.18 nats) while its training loss fell from 2.73 to 1.82, and it scored worse than 2 minutes do.
 DROPOUT_FOR_EPOCHS: tuple[DropoutForEpochs, ...] = (
     DropoutForEpochs("tiny Shakespeare", "d384x5 batch 16, 1111 steps; d320x4 batch 16, 1142", 4_550_656 / 372_624,
-                     8_114_944 / 372_624, 2.2068, 2.1000),
+                     8_114_944 / 372_624, (2.2068,), (2.1000,)),
     DropoutForEpochs("WikiText-2 valid+test", "d320x4 batch 32, 907 steps; d320x4 batch 16, 1007",
-                     7_430_144 / 685_101, 5_082_432 / 685_101, 1.6685, 1.6557),
+                     7_430_144 / 685_101, 5_082_432 / 685_101, (1.6685,), (1.6557,)),
+)
+
+# A model of few parameters per unique token read as many times: the shape the sizing picks for 2 minutes of tiny
+# Shakespeare under a vocabulary of 448 (489,223 training tokens), trained 1450 steps at equal steps with weight
+# decay 1.0, short contexts first, seeds 1337 and 1 (2026-11-29, thirty-second session, ZEN5). Equal steps favour
+# dropout (a step with it took 1.5× as long here), and it still measured worse at both seeds.
+DROPOUT_FOR_EPOCHS_SMALL: tuple[DropoutForEpochs, ...] = (
+    DropoutForEpochs("tiny Shakespeare", "d192x4 batch 32, 1450 steps, both", 1450 * 32 * 128 / 489_223,
+                     1_771_712 / 489_223, (2.1190, 2.1326), (2.1336, 2.1475)),
 )
 
 
 def dropout_epochs_threshold(paid: tuple[DropoutForEpochs, ...] = DROPOUT_FOR_EPOCHS,
                              erred: tuple[DropoutOverDecay, ...] = DROPOUT_OVER_DECAY) -> float:
-    """Planned passes over the corpus from which dropout is kept beside the repeated-text decay at any size: the
-    geometric middle (2 figures) of the gap between the most epochs at which dropout beside it measured worse (0.1,
-    the eleventh session's) and the fewest at which 0.2 measured better. Raises where the runs do not separate."""
+    """Planned passes over the corpus from which dropout is kept beside the repeated-text decay (by a model not too
+    small: dropout_for_epochs_threshold): the geometric middle (2 figures) of the gap between the most epochs at
+    which dropout beside it measured worse (0.1, the eleventh session's) and the fewest at which 0.2 measured
+    better. Raises where the runs do not separate."""
     return _middle_of_gap(max(c.epochs for c in erred if c.dropped > c.undropped),
                           min(c.epochs for c in paid if c.dropped < c.undropped),
                           "dropout beside the repeated-text decay", "epochs")
+
+
+def dropout_for_epochs_threshold(paid: tuple[DropoutForEpochs, ...] = DROPOUT_FOR_EPOCHS,
+                                 erred: tuple[DropoutForEpochs, ...] = DROPOUT_FOR_EPOCHS_SMALL) -> float:
+    """Non-embedding parameters per unique token from which a run of many epochs keeps dropout: the geometric
+    middle (2 figures) of the gap between the most at which dropout for many epochs measured worse at every seed and
+    the fewest at which it measured better. Raises where the runs do not separate."""
+    return _middle_of_gap(max(c.params_per_token for c in erred
+                              if all(d > u for d, u in zip(c.dropped_runs, c.undropped_runs))),
+                          min(c.params_per_token for c in paid if c.dropped < c.undropped),
+                          "dropout for many epochs")
 
 
 def dropout_at_bound_threshold(paid: tuple[DropoutAtBound, ...] = DROPOUT_AT_BOUND,
