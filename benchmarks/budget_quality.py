@@ -102,7 +102,8 @@ def train_and_score(project: Path, held_out: Path, budget: str, overrides: list[
     [plan] = [p for entry in json.loads((project / "plans" / "train.json").read_text()).values()
               for p in entry["plans"].values()]  # the plans dir was emptied before this run
     return {"bpb": scored["bits_per_byte"], "steps": summary["steps"], "seconds": seconds,
-            "selected_step": summary["selected_step"], "decay_began": summary.get("decay_began"),
+            "selected_step": summary["selected_step"], "averaged": summary.get("averaged", False),
+            "decay_began": summary.get("decay_began"),
             "corpus_tokens": corpus_tokens,
             "params": summary["params"], "vocab": config["vocab_size"], "non_embedding_params": non_embedding,
             "tokens": summary["steps"] * summary["plan"]["tokens_per_step"], "shape": asdict(shape),
@@ -305,6 +306,8 @@ def row_line(row: dict) -> str:
         line += f"; a plateau at step {ours['decay_began']} began the decay"
     if ours.get("selected_step") not in (None, ours["steps"]):
         line += f"; step {ours['selected_step']}'s weights kept"
+    if ours.get("averaged"):
+        line += "; the weight average kept"
     line += ")"
     if base:
         line += (f"  nanoGPT {base['bpb']:.4f} ({base['seconds']:.0f} s, {base['iterations']} it)  "

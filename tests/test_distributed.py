@@ -56,8 +56,10 @@ def configure(base: Path, model: dict | None = None, **train) -> None:
     # differ by a close timing that picked flash in one and math in the other. Cosine, not the default WSD: WSD holds
     # the peak learning rate to the last steps, which amplifies the reduction-order rounding of ZeRO-3's flattened
     # buffers to 1.6e-5 in the weights after 20 steps (7e-7 under cosine), past WEIGHT_ATOL.
+    # No weight average (train.ema_horizon 0): FSDP and DeepSpeed keep none, and the runs are compared with one
+    # process's (the DDP kill test below turns it on).
     params["train"].update({"max_steps": 20, "threads": 1, "select": "last", "attention": "torch",
-                            "schedule": "cosine", **train})
+                            "schedule": "cosine", "ema_horizon": 0.0, **train})
     # Dropout masks are per process: the one thing data parallelism changes.
     params["model"].update({"dropout": 0.0, **ROUTED, **(model or {})})
     (base / "params.yaml").write_text(yaml.safe_dump(params))
@@ -94,6 +96,16 @@ def tracking(tmp: Path) -> dict:
 
 def history(base: Path) -> list[dict]:
     return json.loads((base / "model" / "history.json").read_text())
+
+
+def train_summary(base: Path) -> dict:
+    return json.loads((base / "model" / "train_summary.json").read_text())
+
+
+def final_state(base: Path) -> dict:
+    """The state.pt of the run's last checkpoint."""
+    (last,) = sorted((base / "ckpt").glob("*/step_*"))[-1:]
+    return torch.load(last / "state.pt", weights_only=True)
 
 
 def weights(base: Path) -> dict[str, torch.Tensor]:
@@ -296,7 +308,7 @@ def test_two_processes_sigkilled_then_resumed_are_bitwise_identical(tmp_path):
 
     def project(name: str) -> Path:
         base = tiny_project(tmp_path, name)
-        configure(base, model={"dropout": 0.1}, batch_size=4, backend="ddp", max_steps=steps)
+        configure(base, model={"dropout": 0.1}, batch_size=4, backend="ddp", max_steps=steps, ema_horizon=None)
         return base
 
     env = tracking(tmp_path)
@@ -319,6 +331,9 @@ def test_two_processes_sigkilled_then_resumed_are_bitwise_identical(tmp_path):
 
     a, b = weights(straight), weights(killed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # The weight average (train.ema_horizon null: on under DDP) went through the kill in the checkpoints' state.
+    assert train_summary(straight)["averaged"] == train_summary(killed)["averaged"]
+    assert all(final_state(base)["average"] is not None for base in (straight, killed))
     assert [r["train_loss"] for r in history(straight)] == [r["train_loss"] for r in history(killed)]
     assert b["blocks.2.steps"].item() == steps and (b["blocks.1.mlp.select_bias"] != 0).any()
 

@@ -225,7 +225,8 @@ def _model_section(config: dict, summary: dict, lineage: dict) -> str:
              for key in ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "seq_len")]
     rows += [("vocab size", _fmt(config.get("vocab_size", "—"))), ("MoE", _moe_line(model.get("moe"))),
              ("DRE", _dre_line(model.get("dre"))),
-             ("selected weights", f"step {_fmt(summary.get('selected_step', '—'))} ({summary.get('select', '—')})")]
+             ("selected weights", f"step {_fmt(summary.get('selected_step', '—'))} ({summary.get('select', '—')})"
+              + ("; their average over the decay (train.ema_horizon) kept" if summary.get("averaged") else ""))]
     if lineage:
         rows.append(("lineage fingerprint", f"`{lineage.get('fingerprint', '—')}`"))
         parent = lineage.get("parent")

@@ -75,7 +75,8 @@ def post_training_config(train: TrainConfig, ft: FinetuneConfig | AlignConfig) -
         "schedule": ft.schedule, "batch_size": ft.batch_size, "grad_accum": 1, "seed": ft.seed,
         "eval_every": ft.eval_every, "eval_batches": 10**9, "checkpoint_every": ft.eval_every,
         "log_every": min(train.log_every, ft.eval_every), "compile": False, "init_from": None,
-        "init_optimizer": False, "early_stopping_patience": None, "decay_patience": None, "select": "best"})
+        "init_optimizer": False, "early_stopping_patience": None, "decay_patience": None, "select": "best",
+        "ema_horizon": 0.0})
 
 
 def fingerprint(params: Params, base: Base, train_chats: list, val_chats: list, plan: Plan) -> Fingerprint:

@@ -21,6 +21,7 @@ from ultrathink.model.model import WEIGHTS_FILE
 from ultrathink.registry.tracking import flat_keys, training_run
 from ultrathink.registry.models import is_mlflow_uri, resolve_named_model
 from ultrathink.tokenizer import tokenizer_hash
+from ultrathink.train.averaging import ema_horizon_for
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.distributed import Distributed, setup
 from ultrathink.train.engine import build_engine
@@ -96,14 +97,15 @@ def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[
     engine = build_engine(ready_model(model, cfg, plan.kernel, dist), cfg, dist)
     context = ContextWarmup(plan.seq_len_warmup_steps, model_cfg.seq_len) if plan.seq_len_warmup_steps else None
     trainer = Trainer(engine, loader, val_tokens, cfg, checkpoints, log_metrics, dist, peak_flops=decided.peak_flops,
-                      deadline=deadline(params, decided), context=context)
+                      deadline=deadline(params, decided, dist), context=context)
     return trainer, parent, decided
 
 
-def deadline(params: Params, decided: Decided) -> Deadline | None:
+def deadline(params: Params, decided: Decided, dist: Distributed) -> Deadline | None:
     """The end of a time budget, for the run that measured its plan (a run that reads a recorded plan takes the
     recorded steps): the budget pays for the probe and the training loop (its validation passes and checkpoints),
-    not for the stage's start-up."""
+    and what follows the last step (the weight average's validation pass, saving the model), not for the stage's
+    start-up."""
     plan = decided.plan
     if not decided.measured or not plan.budget or Budget.parse(plan.budget).kind != "seconds":
         return None
@@ -115,7 +117,9 @@ def deadline(params: Params, decided: Decided) -> Deadline | None:
         book.record(plan.machine, decided.key, plan)
 
     probe = plan.probe
-    return Deadline(Budget.parse(plan.budget).amount - probe.seconds, probe.save_seconds, probe.validation_seconds,
+    averaging = probe.validation_seconds if ema_horizon_for(params.train.ema_horizon, dist.backend) else 0.0
+    return Deadline(Budget.parse(plan.budget).amount - probe.seconds, probe.save_seconds + averaging,
+                    probe.validation_seconds,
                     probe.save_seconds, record, plan.step_ceiling)  # the other ranks' only make them follow rank 0
 
 
@@ -137,7 +141,7 @@ def pretrain(params: Params) -> None:
             train_and_record(params, trainer, resumed, parent, decided)
         else:  # other ranks train in lockstep; the main rank alone talks to MLflow and writes files
             trainer.fit()
-            trainer.select_weights()
+            trainer.prefer_average(trainer.select_weights())
             trainer.full_weights()  # collective under FSDP and ZeRO-3: the main rank gathers the final weights
         dist.barrier()  # every rank is done, the main rank's files and MLflow run included
     except BaseException:
@@ -175,6 +179,7 @@ def train_and_record(params: Params, trainer: Trainer, resumed: int | None, pare
         mlflow.log_metrics({"model_params": model.num_params(), "flops_per_token": model.flops_per_token()})
         result = trainer.fit()
         selected = trainer.select_weights()
+        averaged = trainer.prefer_average(selected)
         plan.max_steps = trainer.cfg.max_steps  # a time budget's run may have revised it
         mlflow.log_params(plan.mlflow_params())  # after training: with the steps it took
         history = [{k: v for k, v in point.items() if k not in TIMING_FIGURES} for point in result.history]
@@ -183,11 +188,12 @@ def train_and_record(params: Params, trainer: Trainer, resumed: int | None, pare
                    "final_val_loss": result.history[-1].get("val_loss"), "best_val_loss": result.best_val_loss,
                    "skipped_steps": result.skipped_steps, "stopped_early": result.stopped_early,
                    "decay_began": result.decay_began,
-                   "select": params.train.select, "selected_step": selected, "plan": plan.summary(),
+                   "select": params.train.select, "selected_step": selected, "averaged": averaged,
+                   "plan": plan.summary(),
                    "world_size": trainer.dist.world_size, "backend": trainer.dist.backend}
         lineage = {"fingerprint": checkpoints.fingerprint.id, "parts": asdict(checkpoints.fingerprint),
                    "tokenizer_sha256": checkpoints.extra["tokenizer_sha256"], "machine": plan.machine,
-                   "parent": parent.tags() if parent else None, "selected_step": selected}
+                   "parent": parent.tags() if parent else None, "selected_step": selected, "averaged": averaged}
         mlflow.log_metrics({"train_seconds": result.seconds, "train_tokens_per_second": result.tokens_per_second})
         weights = trainer.full_weights()
         with atomic_dir(p.model_dir) as out:

@@ -19,6 +19,7 @@ from ultrathink.model import routing
 from ultrathink.config import TrainConfig
 from ultrathink.device import is_cuda
 from ultrathink.errors import StageError
+from ultrathink.train.averaging import WeightAverage, ema_horizon_for
 from ultrathink.train.checkpoint import CheckpointManager
 from ultrathink.train.distributed import Distributed
 from ultrathink.train.engine import Engine, autocast
@@ -174,6 +175,8 @@ class Trainer:
                              f"{cfg.grad_accum} on {self.dist.world_size} ranks means {wanted}: build it with "
                              "grad_accum=cfg.grad_accum, rank and world_size")
         self.tokens_per_step = self.layout.sequences * train_loader.seq_len
+        horizon = ema_horizon_for(cfg.ema_horizon, self.dist.backend)
+        self.average = WeightAverage(model, horizon) if horizon else None
 
     # ---- checkpoint state -------------------------------------------------------------------------------------
     def state(self) -> dict:
@@ -186,6 +189,7 @@ class Trainer:
             "history": self.history,
             "counters": asdict(self.counters),
             "attention": self.model.attention_kernel().to_dict(),  # a resumed run computes with the same kernel
+            "average": self.average.state_dict() if self.average else None,
         }
 
     def resume(self) -> int | None:
@@ -222,6 +226,8 @@ class Trainer:
             self._revise_steps(decay_from(self.counters.decay_began, self.cfg))
         if "attention" in state:
             self.model.use_attention(AttentionKernel(**state["attention"]))
+        if self.average is not None:
+            self.average.load_state_dict(state.get("average"))
 
     def _explain_fresh_start(self) -> None:
         """One line on why the newest checkpoint on disk is not resumed (another configuration's)."""
@@ -273,6 +279,8 @@ class Trainer:
         self.counters.bad_in_a_row = 0
         self.scheduler.step()
         self.model.update_routing(stats)
+        if self.average is not None:
+            self.average.update(self.step, self.cfg)
         self.step += 1
         return total, grad_norm, self.model.routing_metrics(stats)
 
@@ -479,6 +487,24 @@ class Trainer:
                     best.step, self.counters.best_val, self.step)
         self.engine.load_weights_from(best)
         return best.step
+
+    def prefer_average(self, selected: int) -> bool:
+        """After select_weights() (which returned `selected`): validate the weight average (train.ema_horizon) and
+        keep it instead where its validation loss is lower. Returns whether the model now holds the average.
+        Every rank calls it."""
+        if self.average is None or self.average.tensors is None:  # off, or no step decayed (schedule constant)
+            return False
+        holds_best = self.cfg.select == "best" and selected == self.counters.best_step
+        selected_loss = self.counters.best_val if holds_best else self.validate()
+        self.average.swap()
+        average_loss = self.validate()
+        kept = average_loss < selected_loss
+        if not kept:
+            self.average.swap()
+        log.warning("train.ema_horizon: the average of the weights up to step %d validates at %.4f, step %d's "
+                    "weights at %.4f: the model is %s", self.step, average_loss, selected, selected_loss,
+                    "the average" if kept else f"step {selected}'s")
+        return kept
 
 
 def step_line(step: int, total: int, r: dict[str, float]) -> str:
