@@ -449,7 +449,7 @@ class TrainConfig(Section):
     ema_horizon: float | None = Field(
         None, ge=0, lt=1, description="keep an exponential moving average of the weights over about this share of "
         "the run's last steps, validate it once at the end and make it the model where it validates better than "
-        "the weights train.select picked; 0: off. null: 0.08 on one process and under DDP (it measured 0.01-0.05 "
+        "the weights train.select picked; 0: off. null: 0.08 on one process and under DDP (it measured 0.004-0.05 "
         "bits/byte better on three corpora: benchmarks/README.md), off under FSDP and DeepSpeed, whose ranks hold "
         "the weights in shards (ultrathink/train/averaging.py). Pretraining only")
 
