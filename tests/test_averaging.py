@@ -6,7 +6,7 @@ import torch
 from pydantic import ValidationError
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from test_train import make_trainer
+from test_train import make_trainer, poison
 from ultrathink.config import FinetuneConfig, TrainConfig
 from ultrathink.finetune.sft import post_training_config
 from ultrathink.train.averaging import EMA_HORIZON, decaying, ema_horizon_for
@@ -55,6 +55,18 @@ def test_the_average_becomes_the_model_only_where_it_validates_better(tmp_path, 
     assert (average_loss < weights_loss) is kept
     assert trainer.prefer_average(selected) is kept
     assert trainer.validate() == min(weights_loss, average_loss)
+
+
+def test_a_skipped_non_finite_step_leaves_the_average_as_it_was(tmp_path):
+    trainer = make_trainer(tmp_path, 20, decay_fraction=0.5, ema_horizon=0.25)
+    poison(trainer, {15})  # the 15th step's forward: step 14 (0-based), inside the decay
+    skipped = 0
+    while trainer.step < 20:
+        before = [t.clone() for t in trainer.average.tensors or []]
+        if trainer.train_step() is None:
+            skipped += 1
+            assert before and all(torch.equal(a, b) for a, b in zip(before, trainer.average.tensors))
+    assert skipped == 1 and all(torch.isfinite(t).all() for t in trainer.average.tensors)
 
 
 def test_a_constant_rate_averages_nothing(tmp_path):

@@ -104,7 +104,7 @@ def train_summary(base: Path) -> dict:
 
 def final_state(base: Path) -> dict:
     """The state.pt of the run's last checkpoint."""
-    (last,) = sorted((base / "ckpt").glob("*/step_*"))[-1:]
+    last = sorted((base / "ckpt").glob("*/step_*"))[-1]
     return torch.load(last / "state.pt", weights_only=True)
 
 

@@ -45,13 +45,10 @@ class WeightAverage:
     device; None until the first of those steps."""
 
     def __init__(self, model: torch.nn.Module, horizon: float):
-        self.model, self.horizon = model, horizon
-        self.names = [name for name, p in model.named_parameters() if p.requires_grad]
+        self.horizon = horizon
+        trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self.names, self.params = [name for name, _ in trainable], [p for _, p in trainable]
         self.tensors: list[torch.Tensor] | None = None
-
-    def _parameters(self) -> list[torch.Tensor]:
-        named = dict(self.model.named_parameters())
-        return [named[name] for name in self.names]
 
     def weight(self, max_steps: int) -> float:
         """The share of the newest weights in each update: 1 over the horizon in steps (at least one)."""
@@ -62,7 +59,7 @@ class WeightAverage:
         """After optimizer step `step` (0-based) has been applied."""
         if not decaying(step, cfg):
             return
-        current = [p.detach().float() for p in self._parameters()]
+        current = [p.detach().float() for p in self.params]
         if self.tensors is None:
             self.tensors = [tensor.clone() for tensor in current]
         else:
@@ -75,13 +72,13 @@ class WeightAverage:
         if state is not None and sorted(state) != sorted(self.names):
             raise ValueError(f"the checkpoint's weight average has other parameters than the model "
                              f"({len(state)} against {len(self.names)})")
-        devices = [p.device for p in self._parameters()]
+        devices = [p.device for p in self.params]
         self.tensors = None if state is None else [state[n].to(d) for n, d in zip(self.names, devices)]
 
     @torch.no_grad()
     def swap(self) -> None:
         """Exchange the model's weights and the average (call again to swap them back)."""
-        for param, tensor in zip(self._parameters(), self.tensors):
+        for param, tensor in zip(self.params, self.tensors):
             held = param.detach().float().clone()
             param.copy_(tensor)
             tensor.copy_(held)
