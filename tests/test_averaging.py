@@ -57,6 +57,18 @@ def test_the_average_becomes_the_model_only_where_it_validates_better(tmp_path, 
     assert trainer.validate() == min(weights_loss, average_loss)
 
 
+def test_the_average_costs_one_validation_pass_when_the_last_weights_are_kept(tmp_path):
+    trainer = make_trainer(tmp_path, 20, select="last", decay_fraction=0.5, ema_horizon=0.2)
+    trainer.fit()
+    last_loss = trainer.history[-1]["val_loss"]
+    assert trainer.history[-1]["step"] == trainer.select_weights() == 20
+    passes, validate = [], trainer.validate
+    trainer.validate = lambda: passes.append(validate()) or passes[-1]
+    kept = trainer.prefer_average(20)
+    assert len(passes) == 1 and kept is (passes[0] < last_loss)
+    assert validate() == (passes[0] if kept else last_loss)
+
+
 def test_a_skipped_non_finite_step_leaves_the_average_as_it_was(tmp_path):
     trainer = make_trainer(tmp_path, 20, decay_fraction=0.5, ema_horizon=0.25)
     poison(trainer, {15})  # the 15th step's forward: step 14 (0-based), inside the decay

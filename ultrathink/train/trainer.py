@@ -494,8 +494,7 @@ class Trainer:
         Every rank calls it."""
         if self.average is None or self.average.tensors is None:  # off, or no step decayed (schedule constant)
             return False
-        holds_best = self.cfg.select == "best" and selected == self.counters.best_step
-        selected_loss = self.counters.best_val if holds_best else self.validate()
+        selected_loss = self._validated_loss(selected)
         self.average.swap()
         average_loss = self.validate()
         kept = average_loss < selected_loss
@@ -505,6 +504,16 @@ class Trainer:
                     "weights at %.4f: the model is %s", self.step, average_loss, selected, selected_loss,
                     "the average" if kept else f"step {selected}'s")
         return kept
+
+    def _validated_loss(self, selected: int) -> float:
+        """The validation loss of the weights select_weights() left in the model (step `selected`'s): the pass
+        fit() made on them where there was one (the best step's, or the last step's), else a pass now."""
+        if self.cfg.select == "best" and selected == self.counters.best_step:
+            return self.counters.best_val
+        last = self.history[-1] if self.history else {}
+        if selected == self.step and last.get("step") == self.step and "val_loss" in last:
+            return last["val_loss"]
+        return self.validate()
 
 
 def step_line(step: int, total: int, r: dict[str, float]) -> str:
