@@ -14,12 +14,13 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from ultrathink.config import FinetuneConfig, LoraSettings, ModelConfig, Params, TokenizerConfig, load_params
+from ultrathink.config import (AlignConfig, FinetuneConfig, LoraSettings, ModelConfig, Params, TokenizerConfig,
+                               load_params)
 from ultrathink.data.validation import validate_pairs
 from ultrathink.model.chat import assistant, chat_tokenizer, reply, save_chat_tokenizer, user
 from ultrathink.finetune.lora import AdapterError, add_adapters, trainable_share
 from ultrathink.finetune.pairs import PairsError, embedded_pairs, load_pairs, split_pairs
-from ultrathink.finetune.sft import Base, build, score
+from ultrathink.finetune.sft import Base, build, post_training_config, score
 from ultrathink.model import UltraThink
 from ultrathink.model.export import export_hf
 from ultrathink.scoring import IGNORE, chat_rows, encode_conversation, fit_window
@@ -207,6 +208,24 @@ def test_lora_trains_only_the_adapters_and_merges_into_plain_weights(assets, tmp
     # The same configuration resumes from its checkpoint; other pairs are another configuration.
     assert build(params, base, tokenizer, chats, heldout, Distributed()).trainer.resume() == 24
     assert build(params, base, tokenizer, chats[1:], heldout, Distributed()).trainer.resume() is None
+
+
+def test_fine_tuning_and_alignment_take_their_own_beta1_and_the_rest_from_train(assets, tmp_path):
+    """β₁ is each stage's own, measured for it (finetune.beta1 0.9, align.beta1 0.8: benchmarks/README.md):
+    pretraining's train.beta1 does not leak into them; β₂ and the rest of the optimizer are train.*'s."""
+    params = Params(paths={"finetune_checkpoint_dir": str(tmp_path / "ckpt"),
+                           "finetune_plan": str(tmp_path / "plan.json")},
+                    train={"precision": "fp32", "attention": "torch", "beta1": 0.7, "beta2": 0.97},
+                    finetune={"max_steps": 2, "warmup_steps": 1, "batch_size": 2, "beta1": 0.85})
+    chats = [[user(f"Where is cat {i}?"), assistant(f"Cat {i} sat on the mat.")] for i in range(6)]
+    base = Base("dir", str(assets / "model"), assets / "model", assets / "tokenizer",
+                file_sha256(assets / "model" / "model.safetensors"))
+    setup = build(params, base, chat_tok(assets), chats[:4], chats[4:], Distributed())
+    betas = {group["betas"] for optimizer in setup.trainer.engine.optimizers for group in optimizer.param_groups}
+    assert betas == {(0.85, 0.97)}
+    assert post_training_config(params.train, FinetuneConfig()).beta1 == 0.9
+    assert post_training_config(params.train, AlignConfig()).beta1 == 0.8
+    assert post_training_config(params.train, AlignConfig(beta1=0.6)).beta2 == 0.97
 
 
 @pytest.mark.parametrize("mode, share", [("int8", 0.30), ("nf4", 0.20)])

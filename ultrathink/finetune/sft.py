@@ -65,13 +65,13 @@ def train_config(params: Params) -> TrainConfig:
 
 
 def post_training_config(train: TrainConfig, ft: FinetuneConfig | AlignConfig) -> TrainConfig:
-    """train.* (precision, attention kernel, optimizer, clipping, threads, checkpoint keeping) with the stage's
-    (finetune.*'s or align.*'s) steps, learning rate, batch and schedule; no budget, no compile, the best held-out
-    checkpoint kept."""
+    """train.* (precision, attention kernel, optimizer, β₂, clipping, threads, checkpoint keeping) with the stage's
+    (finetune.*'s or align.*'s) steps, learning rate, β₁, batch and schedule; no budget, no compile, the best
+    held-out checkpoint kept."""
     return TrainConfig.model_validate({
         **train.model_dump(), "max_steps": ft.max_steps, "budget": None, "lr": ft.lr,
         "warmup_steps": ft.warmup_steps, "warmup_fraction": None, "seq_len_warmup": 0.0,
-        "weight_decay": ft.weight_decay,
+        "weight_decay": ft.weight_decay, "beta1": ft.beta1,
         "schedule": ft.schedule, "batch_size": ft.batch_size, "grad_accum": 1, "seed": ft.seed,
         "eval_every": ft.eval_every, "eval_batches": 10**9, "checkpoint_every": ft.eval_every,
         "log_every": min(train.log_every, ft.eval_every), "compile": False, "init_from": None,
