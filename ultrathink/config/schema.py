@@ -382,7 +382,8 @@ class TrainConfig(Section):
         "weight_decay_for): 0.1, or 1.0 for a run that sees its corpus about 5 times or more, where the stronger "
         "decay measured better at no cost per step, and better than dropout (benchmarks/README.md)")
     beta1: float = Field(
-        0.8, ge=0, lt=1, description="AdamW's (and Lion's) first-moment decay. 0.8 (modded-nanogpt's) measured better "
+        0.8, ge=0, lt=1, description="AdamW's (and Lion's) first-moment decay in pretraining (fine-tuning and "
+        "alignment have their own: finetune.beta1, align.beta1). 0.8 (modded-nanogpt's) measured better "
         "than 0.9 at equal steps in 9 of 9 pairs on three corpora and through the 2-minute plans by 0.010 on average "
         "(13 pairs, 9 better; benchmarks/README.md)")
     beta2: float = Field(0.95, ge=0, lt=1)
