@@ -37,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from budget_quality import corpus_text, kept_project  # noqa: E402
 from tests.e2e_helpers import sh  # noqa: E402
 
+from ultrathink.config import load_params  # noqa: E402
+
 # What each stage reports on its held-out pairs (lower is better), and what else a row prints.
 SCORES = {"finetune": ("ft_response_loss", ("ft_response_bpb",)),
           "align": ("align_preference_bits", ("align_reward_accuracy", "align_likelihood_accuracy"))}
@@ -47,16 +49,17 @@ def sets(options: list[str]) -> list[str]:
 
 
 def fresh_run(project: Path, stage: str, options: list[str]) -> dict:
-    """One run of the stage with nothing of an earlier one (checkpoints, plan book, output), and its report."""
-    out, checkpoints = {"finetune": ("finetuned", "finetune_checkpoints"),
-                        "align": ("aligned", "align_checkpoints")}[stage]
-    for stale in (f"artifacts/{out}", f"artifacts/{checkpoints}", f"plans/{stage}.json"):
-        path = project / stale
+    """One run of the stage with nothing of an earlier one (checkpoints, plan book, output), and its report: where
+    the project's params put them."""
+    p = load_params(project / "params.yaml", options).paths
+    out, checkpoints, plan, report = {
+        "finetune": (p.finetuned_dir, p.finetune_checkpoint_dir, p.finetune_plan, p.finetune_report),
+        "align": (p.aligned_dir, p.align_checkpoint_dir, p.align_plan, p.align_report)}[stage]
+    for path in (project / out, project / checkpoints, project / plan):
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
     started = time.perf_counter()
     sh([sys.executable, "-m", f"tasks.{stage}", "--set", f"{stage}.enabled=true", *sets(options)], project)
-    report = json.loads((project / "reports" / f"{stage}.json").read_text())
-    return {**report, "wall_seconds": time.perf_counter() - started}
+    return {**json.loads((project / report).read_text()), "wall_seconds": time.perf_counter() - started}
 
 
 def main() -> None:

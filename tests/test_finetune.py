@@ -223,6 +223,10 @@ def test_fine_tuning_and_alignment_take_their_own_beta1_and_the_rest_from_train(
     setup = build(params, base, chat_tok(assets), chats[:4], chats[4:], Distributed())
     betas = {group["betas"] for optimizer in setup.trainer.engine.optimizers for group in optimizer.param_groups}
     assert betas == {(0.85, 0.97)}
+    setup.trainer.fit()  # a changed finetune.beta1 is another configuration: it does not resume this one's checkpoint
+    assert build(params, base, chat_tok(assets), chats[:4], chats[4:], Distributed()).trainer.resume() == 2
+    changed = params.model_copy(update={"finetune": params.finetune.model_copy(update={"beta1": 0.8})})
+    assert build(changed, base, chat_tok(assets), chats[:4], chats[4:], Distributed()).trainer.resume() is None
     assert post_training_config(params.train, FinetuneConfig()).beta1 == 0.9
     assert post_training_config(params.train, AlignConfig()).beta1 == 0.8
     assert post_training_config(params.train, AlignConfig(beta1=0.6)).beta2 == 0.97
