@@ -42,20 +42,23 @@ from reference_gpt import GPT  # noqa: E402
 from ultrathink.config import ModelConfig, TrainConfig  # noqa: E402
 from ultrathink.device import is_cuda, resolve_device, synchronize  # noqa: E402
 from ultrathink.model import UltraThink, cpu_kernels  # noqa: E402
+from ultrathink.model.kernels import AttentionKernel, label  # noqa: E402
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint  # noqa: E402
 from ultrathink.train.engine import autocast, build_engine  # noqa: E402
 from ultrathink.train.loader import TokenWindows  # noqa: E402
 from ultrathink.train.precision import keep_freed_host_memory, peak_flops, resolve_precision  # noqa: E402
 from ultrathink.train.distributed import Distributed  # noqa: E402
+from ultrathink.train.plan import decide_attention  # noqa: E402
 from ultrathink.train.trainer import Trainer, ready_model  # noqa: E402
 
 SHAPE = dict(d_model=384, n_layers=6, n_heads=6, n_kv_heads=6, seq_len=256)
 VOCAB, BATCH = 4096, 8
 
 
-def ultrathink_step(workdir: Path, dist: Distributed, compile: bool, precision: str, model_keys: dict | None = None,
-                    **train):
-    """A Trainer over random tokens on `dist`'s device, in `precision`; returns its train_step and model."""
+def ultrathink_step(workdir: Path, dist: Distributed, compile: bool, precision: str, attention: AttentionKernel,
+                    model_keys: dict | None = None, **train):
+    """A Trainer over random tokens on `dist`'s device, in `precision`, with the attention kernel a run's plan
+    chose for the shape (train.attention auto: decide_attention); returns its train_step and model."""
     cfg = ModelConfig(**{**SHAPE, "dropout": 0.0, **(model_keys or {})})
     settings = TrainConfig(batch_size=BATCH, max_steps=10**6, warmup_steps=10, lr=1e-3, precision=precision,
                            compile=compile, eval_every=10**9, checkpoint_every=10**9,
@@ -64,7 +67,7 @@ def ultrathink_step(workdir: Path, dist: Distributed, compile: bool, precision: 
     torch.manual_seed(0)
     model = UltraThink(cfg, VOCAB)
     name = "-".join(["bench", str(compile), *(f"{k}={v}" for k, v in (model_keys or {}).items())])
-    engine = build_engine(ready_model(model, settings, None, dist), settings, dist)
+    engine = build_engine(ready_model(model, settings, attention, dist), settings, dist)
     trainer = Trainer(engine, TokenWindows(tokens, cfg.seq_len, BATCH, seed=0), tokens[:10_000], settings,
                       CheckpointManager(workdir / name, Fingerprint(name, "bench", "bench"), 1, 1), dist=dist)
     return trainer.train_step, model
@@ -175,17 +178,19 @@ def main() -> None:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tmp) / "inductor"))
         os.environ.setdefault("TRITON_CACHE_DIR", str(Path(tmp) / "triton"))
         steps, params = {}, {}
-        steps["ultrathink"], model = ultrathink_step(Path(tmp), dist, compile=False, precision=precision)
+        attention, _ = decide_attention("auto", cfg, BATCH, precision, str(device))  # as the train stage plans
+        ours = dict(dist=dist, precision=precision, attention=attention)
+        steps["ultrathink"], model = ultrathink_step(Path(tmp), compile=False, **ours)
         params["ultrathink"] = model.num_params()
         for item in args.model_keys:
             key, value = item.split("=", 1)
-            steps[f"ultrathink[{item}]"], _ = ultrathink_step(Path(tmp), dist, compile=False, precision=precision,
-                                                             model_keys={key: yaml.safe_load(value)})
+            steps[f"ultrathink[{item}]"], _ = ultrathink_step(Path(tmp), compile=False,
+                                                             model_keys={key: yaml.safe_load(value)}, **ours)
         if args.torch_path:
-            step, _ = ultrathink_step(Path(tmp), dist, compile=False, precision=precision)
+            step, _ = ultrathink_step(Path(tmp), compile=False, **ours)
             steps["ultrathink[torch path]"] = on_torch_path(step)
         if args.bare:
-            bare = ready_model(UltraThink(cfg, VOCAB), TrainConfig(), None, dist)
+            bare = ready_model(UltraThink(cfg, VOCAB), TrainConfig(), attention, dist)
             steps["ultrathink_bare"] = reference_step(bare, torch.optim.AdamW(bare.parameters(), lr=1e-3, fused=True),
                                                       lambda: bare(x, x).loss, precision, device)
         steps["gpt2_ref"] = reference_step(gpt, gpt.optimizer(1e-3), lambda: gpt(x, x), precision, device)
@@ -197,7 +202,7 @@ def main() -> None:
                                            lambda: hf(input_ids=x, labels=x).loss, precision, device)
         params["hf_llama"] = sum(p.numel() for p in hf.parameters())
         if not args.no_compile:
-            steps["ultrathink+compile"], _ = ultrathink_step(Path(tmp), dist, compile=True, precision=precision)
+            steps["ultrathink+compile"], _ = ultrathink_step(Path(tmp), compile=True, **ours)
             compiled = torch.compile(gpt)
             steps["gpt2_ref+compile"] = reference_step(gpt, gpt.optimizer(1e-3), lambda: compiled(x, x), precision,
                                                        device)
@@ -212,7 +217,8 @@ def main() -> None:
     flops = model.flops_per_token()
     peak = peak_flops(precision, device)
     where = torch.cuda.get_device_name(device) if is_cuda(device) else f"CPU, {torch.get_num_threads()} threads"
-    print(f"shape {SHAPE} batch {BATCH} vocab {VOCAB}, precision {precision}, {where}, torch {torch.__version__}; "
+    print(f"shape {SHAPE} batch {BATCH} vocab {VOCAB}, precision {precision}, attention {label(attention)}, {where}, "
+          f"torch {torch.__version__}; "
           f"params " + ", ".join(f"{n} {p / 1e6:.2f}M" for n, p in params.items()))
     for name, seconds in best.items():
         mfu = f"  MFU {flops * tokens / seconds / peak:5.1%}" if peak else ""

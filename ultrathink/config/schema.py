@@ -420,10 +420,11 @@ class TrainConfig(Section):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="auto: bf16 autocast where this hardware runs it faster than fp32 (measured), else fp32; "
         "fp16: autocast with loss scaling (for GPUs without bf16)")
-    attention: Literal["auto", "torch", "flash", "math"] = Field(
+    attention: Literal["auto", "torch", "flash", "math", "matmul"] = Field(
         "auto", description="the attention kernel: auto = the fastest for this run's shape, measured at the start "
-        "on a CPU (flash or math, in the autocast dtype or fp32), torch's own choice on a GPU; torch = torch's "
-        "choice; flash or math = that kernel")
+        "on a CPU (flash or math, in the autocast dtype or fp32, or matmul), torch's own choice on a GPU; torch = "
+        "torch's choice; flash or math = that kernel of torch's; matmul = two matmuls and a softmax in the "
+        "autocast dtype (bf16 matmuls on a CPU, where torch's kernels compute in fp32)")
     eval_every: int = Field(100, ge=1, description="steps between validation passes")
     eval_batches: int = Field(10, ge=1, description="validation micro-batches per pass")
     checkpoint_every: int = Field(100, ge=1)

@@ -3,8 +3,10 @@
 
 On a CPU the choice matters and flips with the shape: torch's flash kernel's backward is 2.4× slower in bf16 than in
 fp32 at 16×128 tokens, 8 heads of 64 (benchmarks/moe_dre.py --attention), yet slightly faster at 8×256 tokens, 6
-heads; the plain math path (matmuls and a softmax) wins at other shapes. So `auto` times forward+backward of each
-candidate — flash or math, in the autocast dtype or in fp32 — on random tensors of the run's shape and keeps the
+heads; the plain math path (matmuls and a softmax) wins at other shapes. Under bf16 neither of torch's CPU kernels
+runs its matmuls in bf16 (math computes in fp32), so `matmul` writes attention as two matmuls and a softmax in the
+inputs' dtype: bf16 matmuls run at twice fp32's rate there. So `auto` times forward+backward of each candidate —
+flash or math, in the autocast dtype or in fp32, and matmul — on random tensors of the run's shape and keeps the
 fastest. On a GPU torch's own choice (flash, cuDNN, memory-efficient) is already measured well: `auto` keeps it.
 """
 
@@ -30,7 +32,7 @@ _BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
 
 @dataclass(frozen=True)
 class AttentionKernel:
-    backend: str = "torch"  # torch (SDPA's own choice) | flash | math
+    backend: str = "torch"  # torch (SDPA's own choice) | flash | math | matmul (matmul_attention)
     fp32: bool = True  # on a CPU under bf16 autocast: attention in fp32, outside autocast (GPUs ignore it)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **sdpa) -> torch.Tensor:
@@ -38,17 +40,42 @@ class AttentionKernel:
         the result in q's dtype. Plain `with` blocks, no ExitStack: torch.compile traces them, where entering
         autocast through an ExitStack broke the compiled graph at every attention call."""
         dtype = q.dtype
+        attention = matmul_attention if self.backend == "matmul" else F.scaled_dot_product_attention
         if self.fp32 and q.device.type == "cpu" and dtype == torch.bfloat16:
             with torch.autocast("cpu", enabled=False), self.backend_scope():
-                return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **sdpa).to(dtype)
+                return attention(q.float(), k.float(), v.float(), **sdpa).to(dtype)
         with self.backend_scope():
-            return F.scaled_dot_product_attention(q, k, v, **sdpa).to(dtype)
+            return attention(q, k, v, **sdpa).to(dtype)
 
     def backend_scope(self):
         return sdpa_kernel(_BACKENDS[self.backend]) if self.backend in _BACKENDS else contextlib.nullcontext()
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                     dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                     enable_gqa: bool = False) -> torch.Tensor:
+    """What F.scaled_dot_product_attention computes, with its arguments, as two matmuls in q's dtype and a softmax
+    between them: q (..., heads, T, head_dim), k and v (..., kv_heads, S, head_dim). Under bf16 the scores are
+    rounded to bf16 before the softmax (which accumulates in fp32), as attention written out in nanoGPT is under
+    autocast; torch's CPU kernels keep them in fp32 and pay for it: 7.0 against 3.0 ms forward+backward at 16 ×
+    3 heads × 128 tokens of 64 on an EPYC Zen 4, and at equal steps the loss was the same (benchmarks/README.md)."""
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        k, v = (t.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3) for t in (k, v))
+    scores = torch.matmul(q * (scale if scale is not None else q.shape[-1] ** -0.5), k.transpose(-1, -2))
+    if is_causal:  # as SDPA's: query i sees keys 0..i (aligned at the top left)
+        attn_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # added, not filled in: 20% faster here
+        attn_mask = torch.zeros(attn_mask.shape, dtype=scores.dtype, device=q.device).masked_fill(~attn_mask,
+                                                                                                 float("-inf"))
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    weights = torch.softmax(scores, dim=-1).to(v.dtype)
+    if dropout_p:
+        weights = F.dropout(weights, dropout_p)
+    return torch.matmul(weights, v)
 
 
 # Another kernel replaces the default (what a loaded model runs) only when it is at least this much faster: timings
@@ -64,7 +91,8 @@ def candidates(setting: str, device: str, autocast_dtype: torch.dtype | None) ->
     if device_type(device) != "cpu":
         return [AttentionKernel("torch", fp32=False)]
     upcasts = (False, True) if autocast_dtype == torch.bfloat16 else (False,)
-    return [AttentionKernel()] + [AttentionKernel(b, fp32) for b in _BACKENDS for fp32 in upcasts]
+    return ([AttentionKernel()] + [AttentionKernel(b, fp32) for b in _BACKENDS for fp32 in upcasts]
+            + [AttentionKernel("matmul", False)])
 
 
 def fixed_kernel(setting: str) -> AttentionKernel:
