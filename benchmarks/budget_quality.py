@@ -355,12 +355,18 @@ def paired_difference(rows: list[dict], corpus: str, budget: str, variant: str) 
         same = [r for r in rows if (r["corpus"], r["budget"], r["variant"]) == (corpus, budget, name)]
         seeds = dict.fromkeys(r.get("seed") for r in same)
         return {seed: statistics.mean(r["ours"]["bpb"] for r in same if r.get("seed") == seed) for seed in seeds}
-    ours, defaults = by_seed(variant), by_seed("defaults")
-    differences = [ours[seed] - defaults[seed] for seed in ours if seed is not None and seed in defaults]
+    difference = paired(by_seed(variant), by_seed("defaults"))
+    return difference and f"{corpus} | {budget} | {variant} | {difference}"
+
+
+def paired(scores: dict, defaults: dict) -> str | None:
+    """Scores by seed minus the defaults' of the same seed, over the seeds both have: `mean ± standard error
+    (seeds)`, or None for fewer than two."""
+    differences = [scores[seed] - defaults[seed] for seed in scores if seed is not None and seed in defaults]
     if len(differences) < 2:
         return None
     error = statistics.stdev(differences) / math.sqrt(len(differences))
-    return f"{corpus} | {budget} | {variant} | {statistics.mean(differences):+.4f} ± {error:.4f} ({len(differences)})"
+    return f"{statistics.mean(differences):+.4f} ± {error:.4f} ({len(differences)})"
 
 
 def main() -> None:

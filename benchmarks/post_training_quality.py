@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import statistics
 import sys
@@ -34,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from budget_quality import corpus_text, kept_project  # noqa: E402
+from budget_quality import corpus_text, kept_project, paired  # noqa: E402
 from tests.e2e_helpers import sh  # noqa: E402
 
 from ultrathink.config import load_params  # noqa: E402
@@ -98,12 +97,8 @@ def main() -> None:
     for name, _ in variants:
         scores = {r["seed"]: r["score"] for r in rows if r["variant"] == name}
         spread = f" ± {statistics.stdev(scores.values()):.4f}" if len(scores) > 1 else ""
-        line = f"{name} | {statistics.mean(scores.values()):.4f}{spread} |"
-        differences = [scores[s] - defaults[s] for s in scores]
-        if name != "defaults" and len(differences) > 1:
-            error = statistics.stdev(differences) / math.sqrt(len(differences))
-            line += f" {statistics.mean(differences):+.4f} ± {error:.4f} ({len(differences)})"
-        print(line)
+        difference = paired(scores, defaults) if name != "defaults" else None
+        print(f"{name} | {statistics.mean(scores.values()):.4f}{spread} | {difference or ''}")
 
 
 if __name__ == "__main__":

@@ -890,6 +890,8 @@ def test_attention_auto_times_each_kernel_and_keeps_the_default_unless_clearly_f
     _, with_dropout = choose_attention("auto", 4, 4, 2, 64, 16, 0.1, "cpu", torch.bfloat16)
     assert "flash" not in with_dropout and "math" in with_dropout
     assert choose_attention("math", 4, 4, 2, 64, 16, 0.0, "cpu", None) == (AttentionKernel("math", False), {})
+    # In fp32 matmul is the math kernel's arithmetic again: not a candidate, so a near-tie cannot flip to it.
+    assert [kernels.label(k) for k in kernels.candidates("auto", "cpu", None)] == ["torch/fp32", "flash", "math"]
 
     # Known timings (ms per call), worked out by hand: the kernels are tried in the order above, and one replaces
     # the pick so far only when it is at least 10% faster than that pick.
@@ -937,9 +939,14 @@ def test_a_near_tie_between_kernels_is_kept_by_the_order_not_by_the_lower_timing
         kernels.AttentionKernel("math", False)
 
 
-MATMUL_CASES = {"causal": dict(is_causal=True), "a boolean mask over a cached prefix": "prefix",
-                "an additive mask": "additive", "grouped-query, causal": dict(is_causal=True, enable_gqa=True),
-                "a scale of its own": dict(scale=0.3), "no mask": {}}
+CACHED_PREFIX = torch.ones(5, 7, dtype=torch.bool).tril(diagonal=2)  # 5 new tokens after 2 cached, causally
+MATMUL_CASES = {  # (kv heads, keys, SDPA's arguments) for 4 query heads of 5 tokens
+    "causal": (4, 5, dict(is_causal=True)),
+    "a boolean mask over a cached prefix": (4, 7, dict(attn_mask=CACHED_PREFIX)),
+    "an additive mask": (4, 7, dict(attn_mask=torch.linspace(-3, 3, 35, dtype=torch.float64).view(5, 7))),
+    "grouped-query, causal": (2, 5, dict(is_causal=True, enable_gqa=True)),
+    "a scale of its own": (4, 5, dict(scale=0.3)),
+    "no mask": (4, 5, {})}
 
 
 @pytest.mark.parametrize("case", MATMUL_CASES, ids=list(MATMUL_CASES))
@@ -949,16 +956,10 @@ def test_matmul_attention_computes_what_sdpa_computes_and_its_gradients(case):
     over the cache, grouped-query heads) and the rest SDPA takes."""
     from ultrathink.model.kernels import matmul_attention
 
+    kv_heads, keys, kwargs = MATMUL_CASES[case]
     generator = torch.Generator().manual_seed(0)
-    kv_heads = 2 if "grouped" in case else 4
     q = torch.randn(2, 4, 5, 8, dtype=torch.float64, generator=generator)
-    k, v = (torch.randn(2, kv_heads, 7 if MATMUL_CASES[case] in ("prefix", "additive") else 5, 8,
-                        dtype=torch.float64, generator=generator) for _ in range(2))
-    kwargs = MATMUL_CASES[case]
-    if kwargs == "prefix":  # 5 new tokens after 2 cached: each sees the prefix and itself, causally
-        kwargs = dict(attn_mask=torch.ones(5, 7, dtype=torch.bool).tril(diagonal=2))
-    elif kwargs == "additive":
-        kwargs = dict(attn_mask=torch.randn(5, 7, dtype=torch.float64, generator=generator))
+    k, v = (torch.randn(2, kv_heads, keys, 8, dtype=torch.float64, generator=generator) for _ in range(2))
     outputs, grads = [], []
     for attention in (matmul_attention, torch.nn.functional.scaled_dot_product_attention):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -422,7 +422,8 @@ class TrainConfig(Section):
         "fp16: autocast with loss scaling (for GPUs without bf16)")
     attention: Literal["auto", "torch", "flash", "math", "matmul"] = Field(
         "auto", description="the attention kernel: auto = the fastest for this run's shape, measured at the start "
-        "on a CPU (flash or math, in the autocast dtype or fp32, or matmul), torch's own choice on a GPU; torch = "
+        "on a CPU (flash or math, in the autocast dtype or fp32, or matmul under autocast), torch's own choice on "
+        "a GPU; torch = "
         "torch's choice; flash or math = that kernel of torch's; matmul = two matmuls and a softmax in the "
         "autocast dtype (bf16 matmuls on a CPU, where torch's kernels compute in fp32)")
     eval_every: int = Field(100, ge=1, description="steps between validation passes")
