@@ -266,8 +266,7 @@ def test_a_time_plan_stops_its_steps_where_the_law_credits_no_more_and_says_so()
     ceiling. A budget the corpus can use plans fewer steps than its ceiling and says nothing of it."""
     def planned(budget: str) -> Plan:
         train_cfg = TrainConfig(budget=budget, batch_size=None, precision="fp32", attention="torch", eval_batches=2)
-        return plan_run(ModelConfig(size="auto", dropout=0.0), train_cfg, 64, _stream(), _stream(2000), "cpu",
-                        probe=_probe_at_a_flop_rate([])).plan
+        return _time_plan(ModelConfig(size="auto", dropout=0.0), train_cfg, _stream(), _probe_at_a_flop_rate([]))
 
     long, short = planned("1h"), planned("5s")
     assert long.max_steps == long.step_ceiling
@@ -559,7 +558,7 @@ def test_a_time_plan_probes_dropout_where_it_could_pay_and_keeps_it_only_if_it_d
             probed.append(model.dropout)
             return Probe(step_seconds=0.01 * (1 + cost * model.dropout / sizing.DROPOUT), first_steps_extra=0.1,
                          eval_seconds=0.05, save_seconds=0.05, seconds=0.5)
-        return plan_run(model_cfg, train_cfg, 64, _stream(), _stream(2000), "cpu", probe=probe).plan, probed
+        return _time_plan(model_cfg, train_cfg, _stream(), probe), probed
 
     plan, probed = planned(ModelConfig(size="auto"))  # 20 s on 20,000 tokens: many epochs; dropout 10% dearer
     assert plan.sizing["dropout"] == sizing.DROPOUT and plan.sizing["epochs"] > 10
@@ -658,6 +657,17 @@ def test_auto_vocabulary_follows_the_corpus_size_and_the_budget(tmp_path):
         TokenizerConfig(vocab_size=100)
 
 
+# The matmul peak a plan with made-up probes is decided at. Measured, it moves with the machine and its load, and the
+# first guess with it: an fp32 peak below ~90 or above ~1000 GFLOP/s (two xdist workers on 2 cores of a Zen 4 measured
+# under 90) sent a test's first probe to another shape, where its premise no longer held.
+FIXED_PEAK = {"fp32": 300.0}
+
+
+def _time_plan(model_cfg, train_cfg, train_tokens, probe) -> Plan:
+    """A CPU plan decided at FIXED_PEAK with `probe` for its probes (plan_run's decision without its measurement)."""
+    return decide(model_cfg, train_cfg, 64, train_tokens, "cpu", 1, FIXED_PEAK, probe)
+
+
 def _probe_at_a_flop_rate(probed: list, slowdown=lambda shape: 1.0, save_seconds=lambda shape: 0.05):
     """A time plan's probe that steps at 2e10 FLOP/s times `slowdown` of the (width, depth) probed, and appends
     that shape to `probed`."""
@@ -683,9 +693,7 @@ def test_a_time_plan_decides_between_the_shapes_it_probed_by_their_measured_spee
         probed = []
         probe = _probe_at_a_flop_rate(probed, lambda shape: 3.0 if shape == slow else 1.0,
                                       lambda shape: 20.0 if shape == dear_save else 0.05)
-        plan = plan_run(ModelConfig(size="auto", dropout=0.0), train_cfg, 64, _stream(200_000), _stream(2000), "cpu",
-                        probe=probe).plan
-        return plan, probed
+        return _time_plan(ModelConfig(size="auto", dropout=0.0), train_cfg, _stream(200_000), probe), probed
 
     fair, probed = planned()
     first, second = probed[:2]
@@ -714,9 +722,7 @@ def test_a_time_plan_measures_a_near_runner_up_whose_speed_the_step_cost_model_m
         train_cfg = TrainConfig(budget="60s", batch_size=None, precision="fp32", attention="torch", eval_batches=2)
         probed = []
         probe = _probe_at_a_flop_rate(probed, lambda shape: 0.5 if shape == fast else 1.0)
-        # A fixed matmul peak, so the first guess does not move with this machine's load.
-        plan = decide(ModelConfig(size="auto", dropout=0.0), train_cfg, 64, _stream(200_000), "cpu", 1,
-                      {"fp32": 300.0}, probe)
+        plan = _time_plan(ModelConfig(size="auto", dropout=0.0), train_cfg, _stream(200_000), probe)
         measured = {(m["shape"]["d_model"], m["shape"]["n_layers"]): m for m in plan.sizing["measured"]}
         assert list(measured) == probed and measured[probed[-1]]["tokens"] > 0
         assert [m["why"] for m in measured.values()][:2] == ["first guess", "refitted choice"]
@@ -756,11 +762,9 @@ def test_a_time_plan_leaves_out_shapes_that_ran_out_of_memory_in_their_probe(cap
             flops = sizing.counts(sizing.Shape.of(model), model, 64)[2] * train.batch_size * model.seq_len
             return Probe(step_seconds=flops / 2e10, first_steps_extra=0.1, eval_seconds=0.05, save_seconds=0.05,
                          seconds=0.5)
-        plan = plan_run(ModelConfig(size="auto", dropout=0.0), train_cfg, 64, _stream(200_000), _stream(2000), "cpu",
-                        probe=probe).plan
-        return plan, probed
+        return _time_plan(ModelConfig(size="auto", dropout=0.0), train_cfg, _stream(200_000), probe), probed
 
-    _, probed = planned(fits_below=10**12)
+    _, probed = planned(fits_below=10**12)  # at one peak, so both plans make the same first guess
     first_guess = probed[0]
     with caplog.at_level("WARNING", logger="ultrathink.train.plan"):
         cramped, tried = planned(fits_below=first_guess)
