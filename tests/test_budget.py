@@ -658,8 +658,8 @@ def test_auto_vocabulary_follows_the_corpus_size_and_the_budget(tmp_path):
 
 
 # The matmul peak a plan with made-up probes is decided at. Measured, it moves with the machine and its load, and the
-# first guess with it: an fp32 peak below ~90 or above ~1000 GFLOP/s (two xdist workers on 2 cores of a Zen 4 measured
-# under 90) sent a test's first probe to another shape, where its premise no longer held.
+# first guess with it: pinned at 30-80 or 1500 GFLOP/s in fp32, a test's first probe went to another shape, where its
+# premise no longer held (a full run with two xdist workers on 2 cores of a Zen 4 failed so).
 FIXED_PEAK = {"fp32": 300.0}
 
 
