@@ -1,5 +1,6 @@
-"""The DeepSpeed backend's config comes from params, its impossible combinations fail early, and its checkpoint
-loader never unpickles arbitrary objects. (Training with it on 2 processes: test_distributed.py.)"""
+"""The DeepSpeed backend's config comes from params, its impossible combinations fail early, its checkpoint
+loader never unpickles arbitrary objects, and it compiles no op that training does not call. (Training with it on 2
+processes: test_distributed.py.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from ultrathink.config import TrainConfig
-from ultrathink.train.deepspeed_engine import ds_config, safe_checkpoint_engine
+from ultrathink.train.deepspeed_engine import ds_config, safe_checkpoint_engine, skip_shared_memory_op
 
 
 def test_config_is_generated_from_train_params():
@@ -57,3 +58,12 @@ def test_checkpoint_loader_allows_deepspeed_state_and_refuses_other_objects(tmp_
     torch.save({"payload": NotAllowed()}, bad)
     with pytest.raises(pickle.UnpicklingError, match="NotAllowed"):
         engine.load(str(bad))
+
+
+def test_the_communication_backend_builds_no_shared_memory_op():
+    """DeepSpeed's own builder, as its communication backend calls it at initialize: without the skip it compiles
+    the op on a CPU (tens of seconds, a compiler needed) and returns the module; with it, nothing."""
+    from deepspeed.comm.torch import build_shm_op
+
+    skip_shared_memory_op()
+    assert build_shm_op() is None

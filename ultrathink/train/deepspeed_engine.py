@@ -78,6 +78,20 @@ def safe_checkpoint_engine():
     return SafeTorchCheckpointEngine()
 
 
+def skip_shared_memory_op() -> None:
+    """Keep DeepSpeed from compiling its shared-memory all-reduce when it sets up its communication backend.
+
+    On the CPU accelerator, that setup JIT-compiles a C++ op (`deepspeed_shm_comm`: 26 s on an idle 2-core EPYC,
+    75 s beside other work, and a compiler required) for every new interpreter path or clean cache. Only DeepSpeed's
+    inference all-reduce (tensor-parallel serving) calls that op; ZeRO's reductions go through torch.distributed.
+    So the op is marked incompatible in DeepSpeed's table of probed ops, which it reads before building and lets
+    edits persist in (`deepspeed.ops.__compatible_ops__`).
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 class WorldSizeError(StageError):
     """A DeepSpeed checkpoint cannot resume on another number of ranks."""
 
@@ -94,6 +108,7 @@ class DeepSpeedEngine:
             # The tied output layer reads the embedding matrix outside the embedding's own forward; ZeRO-3 must
             # gather it for the whole model's forward, not only the embedding's.
             deepspeed.zero.register_external_parameter(model, model.embed.weight)
+        skip_shared_memory_op()
         self.module, _, _, _ = deepspeed.initialize(
             model=model, optimizer=self.optimizers[0], config=ds_config(cfg, self.precision, dist.world_size),
             dist_init_required=False)
