@@ -88,8 +88,9 @@ def skip_shared_memory_op() -> None:
     edits persist in (`deepspeed.ops.__compatible_ops__`).
     """
     import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
 class WorldSizeError(StageError):
