@@ -4,7 +4,11 @@ import cycle, function-level imports included (such an import hides a cycle; it 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from ultrathink.lineage import PROJECT_ROOT, imported_names
 
@@ -142,3 +146,12 @@ def test_only_the_edges_import_the_pipeline_tools():
             if tools:
                 found[name] = sorted(tools)
     assert found == {}
+
+
+@pytest.mark.spawns
+def test_the_train_stage_imports_no_transformers():
+    """Each train stage, and each of its ranks, starts by importing ultrathink.stages.pretrain. It only hashes the
+    tokenizer's files, so transformers (about a second to import) waits until a tokenizer is built or loaded."""
+    probe = "import sys, ultrathink.stages.pretrain; print(sorted(m for m in sys.modules if m.startswith('transformers')))"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

@@ -12,13 +12,18 @@ import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from ultrathink.config import Budget, TokenizerConfig
 from ultrathink.hashing import json_hash
 from ultrathink.io import atomic_dir
+
+# transformers takes about a second to import: it is imported where a tokenizer is built or loaded, so that the
+# train stage and each of its ranks, which only hash the tokenizer's files (tokenizer_hash), never pay for it.
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -71,6 +76,8 @@ def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, out_dir: Path, b
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
+    from transformers import PreTrainedTokenizerFast
+
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
         model_max_length=MODEL_MAX_LENGTH, split_special_tokens=True,
@@ -87,6 +94,8 @@ def copy_pretrained(source: str | Path, out_dir: Path) -> PreTrainedTokenizerFas
     if not (source / "tokenizer.json").is_file():
         raise FileNotFoundError(f"tokenizer.pretrained: {source} holds no tokenizer.json (a fast tokenizer: "
                                 "AutoTokenizer.from_pretrained(...).save_pretrained(dir) writes one)")
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"tokenizer.pretrained: {source} has no eos_token (tokenizer_config.json), which separates "
@@ -101,6 +110,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     path = Path(path)
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"no tokenizer at {path} (expected {path / 'tokenizer.json'}); train it first")
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
