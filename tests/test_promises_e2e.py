@@ -34,7 +34,7 @@ def project(trained_project, tmp_path) -> Path:
 
 @pytest.fixture(scope="module")
 def read_only(trained_project, tmp_path_factory) -> Path:
-    """One copy shared by the tests that only read the trained project (a copy costs ~30 s)."""
+    """One copy shared by the tests that only read the trained project."""
     return copy_project(trained_project, tmp_path_factory.mktemp("read_only"))
 
 
