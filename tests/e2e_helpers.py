@@ -1,6 +1,6 @@
 """Helpers of the end-to-end tests: a git + DVC copy of this project with tiny params, commands run in it with the
-project's virtualenv first on PATH, and one trained copy per test run, shared by the xdist workers (`trained_project` in conftest.py) that
-tests copy instead of training their own."""
+project's virtualenv first on PATH, and one trained copy per test run, shared by the xdist workers (`trained_project`
+in conftest.py), that tests copy instead of training their own."""
 
 from __future__ import annotations
 

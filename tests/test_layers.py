@@ -152,6 +152,7 @@ def test_only_the_edges_import_the_pipeline_tools():
 def test_the_train_stage_imports_no_transformers():
     """Each train stage, and each of its ranks, starts by importing ultrathink.stages.pretrain. It only hashes the
     tokenizer's files, so transformers (about a second to import) waits until a tokenizer is built or loaded."""
-    probe = "import sys, ultrathink.stages.pretrain; print(sorted(m for m in sys.modules if m.startswith('transformers')))"
+    probe = ("import sys, ultrathink.stages.pretrain; "
+             "print(sorted(m for m in sys.modules if m.startswith('transformers')))")
     done = subprocess.run([sys.executable, "-c", probe], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
