@@ -459,6 +459,11 @@ class TrainConfig(Section):
         "the weights train.select picked; 0: off. null: 0.08 on one process and under DDP (it measured 0.004-0.05 "
         "bits/byte better on three corpora: benchmarks/README.md), off under FSDP and DeepSpeed, whose ranks hold "
         "the weights in shards (ultrathink/train/averaging.py). Pretraining only")
+    calibrate: bool = Field(
+        True, description="after pretraining, fit the output's temperature on the validation split (one Newton "
+        "step, checked by a second validation pass) and fold it into the final norm's gain, where it lowers the "
+        "validation loss (0.001-0.006 bits/byte better held out on three corpora: benchmarks/README.md; "
+        "ultrathink/train/calibration.py). Pretraining only")
 
 
     @field_validator("budget", mode="before")

@@ -22,6 +22,7 @@ from ultrathink.registry.tracking import flat_keys, training_run
 from ultrathink.registry.models import is_mlflow_uri, resolve_named_model
 from ultrathink.tokenizer import tokenizer_hash
 from ultrathink.train.averaging import ema_horizon_for
+from ultrathink.train.calibration import Calibration, fit_temperature, fold_temperature
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.distributed import Distributed, setup
 from ultrathink.train.engine import build_engine
@@ -104,8 +105,8 @@ def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[
 def deadline(params: Params, decided: Decided, dist: Distributed) -> Deadline | None:
     """The end of a time budget, for the run that measured its plan (a run that reads a recorded plan takes the
     recorded steps): the budget pays for the probe and the training loop (its validation passes and checkpoints),
-    and what follows the last step (the weight average's validation pass, saving the model), not for the stage's
-    start-up."""
+    and what follows the last step (the weight average's validation pass, the temperature's one, saving the model),
+    not for the stage's start-up."""
     plan = decided.plan
     if not decided.measured or not plan.budget or Budget.parse(plan.budget).kind != "seconds":
         return None
@@ -118,7 +119,8 @@ def deadline(params: Params, decided: Decided, dist: Distributed) -> Deadline | 
 
     probe = plan.probe
     averaging = probe.validation_seconds if ema_horizon_for(params.train.ema_horizon, dist.backend) else 0.0
-    return Deadline(Budget.parse(plan.budget).amount - probe.seconds, probe.save_seconds + averaging,
+    calibrating = probe.eval_seconds if params.train.calibrate else 0.0
+    return Deadline(Budget.parse(plan.budget).amount - probe.seconds, probe.save_seconds + averaging + calibrating,
                     probe.validation_seconds,
                     probe.save_seconds, record, plan.step_ceiling)  # the other ranks' only make them follow rank 0
 
@@ -142,12 +144,27 @@ def pretrain(params: Params) -> None:
         else:  # other ranks train in lockstep; the main rank alone talks to MLflow and writes files
             trainer.fit()
             trainer.prefer_average(trainer.select_weights())
+            calibrate(trainer)
             trainer.full_weights()  # collective under FSDP and ZeRO-3: the main rank gathers the final weights
         dist.barrier()  # every rank is done, the main rank's files and MLflow run included
     except BaseException:
         dist.close()
         raise
     dist.finish()
+
+
+def calibrate(trainer: Trainer) -> Calibration | None:
+    """train.calibrate: the output's temperature fitted on the validation split to the weights the model holds
+    now (every rank calls it), logged; None where it is off."""
+    cfg = trainer.cfg
+    if not cfg.calibrate:
+        return None
+    calibration = fit_temperature(trainer.model, trainer.val_data.eval_batches(cfg.batch_size, cfg.eval_batches),
+                                  cfg.precision)
+    if trainer.dist.is_main:
+        log.warning("train.calibrate: the output's temperature %.4f takes the validation loss from %.4f to %.4f",
+                    calibration.temperature, calibration.loss_before, calibration.loss_after)
+    return calibration
 
 
 # Per-step figures that depend on the machine's speed, not on the weights: kept in MLflow and in paths.train_run
@@ -180,6 +197,7 @@ def train_and_record(params: Params, trainer: Trainer, resumed: int | None, pare
         result = trainer.fit()
         selected = trainer.select_weights()
         averaged = trainer.prefer_average(selected)
+        calibration = calibrate(trainer)
         plan.max_steps = trainer.cfg.max_steps  # a time budget's run may have revised it
         mlflow.log_params(plan.mlflow_params())  # after training: with the steps it took
         history = [{k: v for k, v in point.items() if k not in TIMING_FIGURES} for point in result.history]
@@ -189,6 +207,8 @@ def train_and_record(params: Params, trainer: Trainer, resumed: int | None, pare
                    "skipped_steps": result.skipped_steps, "stopped_early": result.stopped_early,
                    "decay_began": result.decay_began,
                    "select": params.train.select, "selected_step": selected, "averaged": averaged,
+                   "temperature": calibration.temperature if calibration else None,
+                   "calibrated_val_loss": calibration.loss_after if calibration else None,
                    "plan": plan.summary(),
                    "world_size": trainer.dist.world_size, "backend": trainer.dist.backend}
         lineage = {"fingerprint": checkpoints.fingerprint.id, "parts": asdict(checkpoints.fingerprint),
@@ -196,6 +216,10 @@ def train_and_record(params: Params, trainer: Trainer, resumed: int | None, pare
                    "parent": parent.tags() if parent else None, "selected_step": selected, "averaged": averaged}
         mlflow.log_metrics({"train_seconds": result.seconds, "train_tokens_per_second": result.tokens_per_second})
         weights = trainer.full_weights()
+        if calibration:
+            mlflow.log_metrics({"temperature": calibration.temperature,
+                                "calibrated_val_loss": calibration.loss_after})
+            weights = fold_temperature(weights, calibration.temperature)
         with atomic_dir(p.model_dir) as out:
             model.save_pretrained(out, weights)
             atomic_write_json(out / "history.json", history)

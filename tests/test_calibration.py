@@ -1,0 +1,101 @@
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from test_train import VOCAB, corpus, make_trainer
+from ultrathink.data.tokens import load_split
+from ultrathink.model import UltraThink
+from ultrathink.train.calibration import OUTPUT_GAIN, fit_temperature, fold_temperature
+from ultrathink.train.loader import eval_batches
+from ultrathink.train.trainer import mean_loss
+
+
+def corrupted(stream: np.ndarray, share: float, seed: int = 1) -> np.ndarray:
+    """`stream` with `share` of its tokens replaced by random ones: text unlike the training stream, on which a
+    model fitted to that stream is overconfident."""
+    rng = np.random.default_rng(seed)
+    out = stream.copy()
+    hit = rng.random(len(out)) < share
+    out[hit] = rng.integers(0, VOCAB, int(hit.sum()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """A model trained on a clean cycle of tokens until it predicts it with near certainty."""
+    trainer = make_trainer(tmp_path_factory.mktemp("calibration"), 80)
+    trainer.fit()
+    return trainer.model
+
+
+def folded(model: UltraThink, temperature: float) -> UltraThink:
+    other = copy.deepcopy(model)
+    other.load_state_dict(fold_temperature(model.state_dict(), temperature))
+    return other
+
+
+def val_loss(model, stream) -> float:
+    return mean_loss(model, eval_batches(stream, model.cfg.seq_len, 4), "fp32")[0]
+
+
+def test_the_temperature_fitted_on_shifted_text_is_its_loss_minimum(fitted):
+    val = corrupted(corpus(600, seed=0), 0.05)
+    calibration = fit_temperature(fitted, eval_batches(val, fitted.cfg.seq_len, 4), "fp32")
+    assert calibration.temperature > 1.2  # overconfident on text it was not trained on
+    assert calibration.loss_before == pytest.approx(val_loss(fitted, val), rel=1e-5)
+    assert calibration.loss_after == pytest.approx(val_loss(folded(fitted, calibration.temperature), val), rel=1e-5)
+    assert calibration.loss_after < calibration.loss_before - 0.05
+    # Newton's steps inside a bracket: no worse than the best temperature of a fine grid, and within a thousandth.
+    grid = [val_loss(folded(fitted, t), val) for t in np.linspace(1.0, 4.0, 61)]
+    assert min(grid) - 0.001 <= calibration.loss_after <= min(grid) + 1e-6
+
+
+def test_folding_divides_the_logits_by_the_temperature_and_leaves_the_model_given_alone(fitted):
+    x = torch.from_numpy(corpus(600, seed=3)[:32].astype(np.int64)).view(2, 16)
+    before = {k: v.clone() for k, v in fitted.state_dict().items()}
+    fitted.eval()
+    with torch.no_grad():
+        expected = fitted(x).logits / 1.37
+        got = folded(fitted, 1.37)(x).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(before[k], v) for k, v in fitted.state_dict().items())
+    assert fold_temperature(before, 1.0) is before
+    assert OUTPUT_GAIN in before
+
+
+def test_a_model_at_its_temperature_is_left_as_it_is(fitted):
+    """Fitted again after folding, the temperature is 1 to within the search's tolerance; where the step
+    would not lower the loss, the model is left exactly as it was (temperature 1.0, the same loss)."""
+    val = corrupted(corpus(600, seed=0), 0.05)
+    first = fit_temperature(fitted, eval_batches(val, fitted.cfg.seq_len, 4), "fp32")
+    again = folded(fitted, first.temperature)
+    second = fit_temperature(again, eval_batches(val, again.cfg.seq_len, 4), "fp32")
+    assert second.temperature == pytest.approx(1.0, abs=1e-3)
+    assert second.loss_after <= second.loss_before <= first.loss_after + 1e-6
+    if second.temperature == 1.0:
+        assert second.loss_after == second.loss_before
+
+
+def test_the_train_stage_saves_the_calibrated_model_and_records_its_temperature(trained_project):
+    """The shipped params calibrate: the model dir's weights validate at the loss the summary records for the
+    fitted temperature, and at a higher one with the temperature taken back out."""
+    project = trained_project
+    summary = json.loads((project / "artifacts/model/train_summary.json").read_text())
+    temperature = summary["temperature"]
+    assert isinstance(temperature, float) and 0.5 <= temperature <= 2.0
+    model = UltraThink.from_pretrained(project / "artifacts/model", device="cpu")
+    train = yaml.safe_load((project / "params.yaml").read_text())["train"]
+    val = np.asarray(load_split(project / "data/prepared", "val")[:])
+    precision = summary["plan"]["precision"]
+
+    def loss(m) -> float:
+        return mean_loss(m, eval_batches(val, m.cfg.seq_len, train["batch_size"], train["eval_batches"]),
+                         precision)[0]
+
+    assert loss(model) == pytest.approx(summary["calibrated_val_loss"], abs=1e-4)
+    if temperature != 1.0:
+        assert loss(folded(model, 1.0 / temperature)) > summary["calibrated_val_loss"]
