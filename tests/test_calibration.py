@@ -82,10 +82,12 @@ def test_a_model_at_its_temperature_is_left_as_it_is(fitted):
 
 def test_the_train_stage_saves_the_calibrated_model_and_records_its_temperature(trained_project):
     """The shipped params calibrate: the model dir's weights validate at the loss the summary records for the
-    fitted temperature, and at a higher one with the temperature taken back out."""
+    fitted temperature, and with the temperature taken back out at the loss it records for the weights as
+    trained."""
     project = trained_project
     summary = json.loads((project / "artifacts/model/train_summary.json").read_text())
-    temperature = summary["temperature"]
+    calibration = summary["calibration"]
+    temperature = calibration["temperature"]
     assert isinstance(temperature, float) and 0.5 <= temperature <= 2.0
     model = UltraThink.from_pretrained(project / "artifacts/model", device="cpu")
     train = yaml.safe_load((project / "params.yaml").read_text())["train"]
@@ -96,6 +98,7 @@ def test_the_train_stage_saves_the_calibrated_model_and_records_its_temperature(
         return mean_loss(m, eval_batches(val, m.cfg.seq_len, train["batch_size"], train["eval_batches"]),
                          precision)[0]
 
-    assert loss(model) == pytest.approx(summary["calibrated_val_loss"], abs=1e-4)
-    if temperature != 1.0:
-        assert loss(folded(model, 1.0 / temperature)) > summary["calibrated_val_loss"]
+    assert loss(model) == pytest.approx(calibration["loss_after"], abs=1e-4)
+    assert loss(folded(model, 1.0 / temperature)) == pytest.approx(calibration["loss_before"], abs=1e-4)
+    assert calibration["loss_after"] <= calibration["loss_before"]
+    assert calibration["targets"] == min(len(val) - 1, train["eval_batches"] * train["batch_size"] * model.cfg.seq_len)

@@ -207,8 +207,7 @@ def train_and_record(params: Params, trainer: Trainer, resumed: int | None, pare
                    "skipped_steps": result.skipped_steps, "stopped_early": result.stopped_early,
                    "decay_began": result.decay_began,
                    "select": params.train.select, "selected_step": selected, "averaged": averaged,
-                   "temperature": calibration.temperature if calibration else None,
-                   "calibrated_val_loss": calibration.loss_after if calibration else None,
+                   "calibration": asdict(calibration) if calibration else None,
                    "plan": plan.summary(),
                    "world_size": trainer.dist.world_size, "backend": trainer.dist.backend}
         lineage = {"fingerprint": checkpoints.fingerprint.id, "parts": asdict(checkpoints.fingerprint),
@@ -217,8 +216,7 @@ def train_and_record(params: Params, trainer: Trainer, resumed: int | None, pare
         mlflow.log_metrics({"train_seconds": result.seconds, "train_tokens_per_second": result.tokens_per_second})
         weights = trainer.full_weights()
         if calibration:
-            mlflow.log_metrics({"temperature": calibration.temperature,
-                                "calibrated_val_loss": calibration.loss_after})
+            mlflow.log_metrics({f"calibration_{k}": v for k, v in asdict(calibration).items()})
             weights = fold_temperature(weights, calibration.temperature)
         with atomic_dir(p.model_dir) as out:
             model.save_pretrained(out, weights)
