@@ -106,6 +106,7 @@ def train_and_score(project: Path, held_out: Path, budget: str, overrides: list[
             "steps": summary["steps"], "seconds": seconds,
             "selected_step": summary["selected_step"], "averaged": summary.get("averaged", False),
             "decay_began": summary.get("decay_began"),
+            "temperature": (summary.get("calibration") or {}).get("temperature"),  # train.calibrate's, folded in
             "corpus_tokens": corpus_tokens,
             "params": summary["params"], "vocab": config["vocab_size"], "non_embedding_params": non_embedding,
             "tokens": summary["steps"] * summary["plan"]["tokens_per_step"], "shape": asdict(shape),
@@ -323,6 +324,8 @@ def row_line(row: dict) -> str:
         line += f"; step {ours['selected_step']}'s weights kept"
     if ours.get("averaged"):
         line += "; the weight average kept"
+    if ours.get("temperature") not in (None, 1.0):
+        line += f"; logits over T {ours['temperature']:.3f}"
     line += ")"
     if base:
         line += (f"  nanoGPT {base['bpb']:.4f} ({base['seconds']:.0f} s, {base['iterations']} it)  "
