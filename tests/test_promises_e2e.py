@@ -174,7 +174,9 @@ def test_the_stage_and_eval_agree_on_the_same_text(read_only):
 
 def test_export_takes_a_checkpoint_or_a_registered_version(read_only, tmp_path):
     """`ultrathink export --model` a training checkpoint (with the run's tokenizer, checked against the one it was
-    trained with) or an MLflow URI: transformers computes what the model computes."""
+    trained with) or an MLflow URI: transformers computes what the model computes. The champion is the model dir;
+    the best checkpoint holds the same weights as trained, before train.calibrate divided the logits by its
+    temperature."""
     project = read_only
     import torch
     from transformers import AutoModelForCausalLM
@@ -183,14 +185,19 @@ def test_export_takes_a_checkpoint_or_a_registered_version(read_only, tmp_path):
 
     best = next((project / "artifacts" / "checkpoints").glob("*/best"))
     ours = UltraThink.from_pretrained(project / "artifacts" / "model")
+    summary = json.loads((project / "artifacts/model/train_summary.json").read_text())
+    assert not summary["averaged"]  # train.select best: the model dir holds the best checkpoint's step
     ids = torch.tensor([[1, 5, 9, 42, 7, 3]])
-    for model in (str(best), "models:/ultrathink@champion"):
+    with torch.no_grad():
+        logits = ours(ids).logits
+    for model, expected in ((str(best), logits * summary["calibration"]["temperature"]),
+                            ("models:/ultrathink@champion", logits)):
         out = tmp_path / model.replace("/", "_").replace(":", "_")
         shown = sh(["ultrathink", "export", "--model", model, "--out", str(out)], project).stdout
         assert "LlamaForCausalLM" in shown, shown  # the tiny e2e model has no q/k norms (e2e_helpers.TINY)
         with torch.no_grad():
             exported = AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
-            assert (exported - ours(ids).logits).abs().max() <= 1e-4, model
+            assert (exported - expected).abs().max() <= 1e-4, model
     from hf_models import tokenizer
 
     tokenizer().save_pretrained(tmp_path / "other")  # a checkpoint read with another tokenizer than its own

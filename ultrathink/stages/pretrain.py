@@ -105,7 +105,7 @@ def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[
 def deadline(params: Params, decided: Decided, dist: Distributed) -> Deadline | None:
     """The end of a time budget, for the run that measured its plan (a run that reads a recorded plan takes the
     recorded steps): the budget pays for the probe and the training loop (its validation passes and checkpoints),
-    and what follows the last step (the weight average's validation pass, the temperature's one, saving the model),
+    and what follows the last step (the weight average's validation pass, the temperature's pass and fit, saving the model),
     not for the stage's start-up."""
     plan = decided.plan
     if not decided.measured or not plan.budget or Budget.parse(plan.budget).kind != "seconds":
@@ -119,7 +119,9 @@ def deadline(params: Params, decided: Decided, dist: Distributed) -> Deadline | 
 
     probe = plan.probe
     averaging = probe.validation_seconds if ema_horizon_for(params.train.ema_horizon, dist.backend) else 0.0
-    calibrating = probe.eval_seconds if params.train.calibrate else 0.0
+    # train.calibrate: its validation pass, and the fit on the logits kept (about as long again at the 2-minute
+    # cells' shapes: benchmarks/README.md)
+    calibrating = 2 * probe.eval_seconds if params.train.calibrate else 0.0
     return Deadline(Budget.parse(plan.budget).amount - probe.seconds, probe.save_seconds + averaging + calibrating,
                     probe.validation_seconds,
                     probe.save_seconds, record, plan.step_ceiling)  # the other ranks' only make them follow rank 0
