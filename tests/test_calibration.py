@@ -1,11 +1,14 @@
 import copy
 import json
+import sys
 
 import numpy as np
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
+from e2e_helpers import copy_project, sh
 from test_train import VOCAB, corpus, make_trainer
 from ultrathink.data.tokens import load_split
 from ultrathink.model import UltraThink
@@ -102,3 +105,21 @@ def test_the_train_stage_saves_the_calibrated_model_and_records_its_temperature(
     assert loss(folded(model, 1.0 / temperature)) == pytest.approx(calibration["loss_before"], abs=1e-4)
     assert calibration["loss_after"] <= calibration["loss_before"]
     assert calibration["targets"] == min(len(val) - 1, train["eval_batches"] * train["batch_size"] * model.cfg.seq_len)
+
+
+@pytest.mark.spawns
+def test_turning_calibration_off_resumes_the_finished_run_and_saves_the_weights_as_trained(trained_project, tmp_path):
+    """train.calibrate is not part of the checkpoint's configuration (it changes no trained number): turned off
+    after a run, the stage resumes that run's last checkpoint, trains no step, and writes the same weights with
+    the temperature taken back out of the final norm."""
+    project = copy_project(trained_project, tmp_path)
+    model = project / "artifacts/model"
+    before, summary = load_file(model / "model.safetensors"), json.loads((model / "train_summary.json").read_text())
+    sh([sys.executable, "-m", "tasks.train", "--set", "train.calibrate=false"], project)
+    after, again = load_file(model / "model.safetensors"), json.loads((model / "train_summary.json").read_text())
+    run = json.loads((project / "reports/train_run.json").read_text())
+    assert run["resumed_from"] == summary["steps"] == again["steps"]
+    assert again["calibration"] is None
+    assert [k for k in before if not torch.equal(before[k], after[k])] == ([OUTPUT_GAIN] if summary["calibration"][
+        "temperature"] != 1.0 else [])
+    torch.testing.assert_close(after[OUTPUT_GAIN], before[OUTPUT_GAIN] * summary["calibration"]["temperature"])

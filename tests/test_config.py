@@ -81,7 +81,8 @@ def count_leaves(tree) -> int:
 def test_fingerprint_params_ignore_bookkeeping_only():
     p = Params()
     base = training_params_hash(p.model, p.train)
-    for bookkeeping in ({"eval_every": 7}, {"select": "last"}, {"keep_configs": 9}, {"init_from": "artifacts/model"}):
+    for bookkeeping in ({"eval_every": 7}, {"select": "last"}, {"calibrate": False}, {"keep_configs": 9},
+                        {"init_from": "artifacts/model"}):
         assert training_params_hash(p.model, p.train.model_copy(update=bookkeeping)) == base
     assert training_params_hash(p.model, p.train.model_copy(update={"lr": 1e-4})) != base
     assert training_params_hash(p.model, p.train.model_copy(update={"max_steps": 600})) != base

@@ -9,7 +9,7 @@ from ultrathink.hashing import json_hash
 
 TRAIN_BOOKKEEPING = frozenset(
     {"eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints", "keep_configs", "log_every", "resume",
-         "threads", "max_bad_steps", "select", "init_from", "tensorboard"})
+         "threads", "max_bad_steps", "select", "calibrate", "init_from", "tensorboard"})
 # finetune's and align's: `init_from` enters as the base's weights hash.
 POST_TRAINING_BOOKKEEPING = frozenset({"enabled", "init_from", "eval_every", "samples"})
 
