@@ -461,8 +461,8 @@ class TrainConfig(Section):
         "the weights in shards (ultrathink/train/averaging.py). Pretraining only")
     calibrate: bool = Field(
         True, description="after pretraining, fit the output's temperature to the logits of one validation pass "
-        "and fold it into the final norm's gain in paths.model_dir (0.0015-0.0073 bits/byte better held out "
-        "through the 2-minute plans on three corpora: benchmarks/README.md; ultrathink/train/calibration.py). "
+        "and fold it into the final norm's gain in paths.model_dir (up to 0.0073 bits/byte better held out, never "
+        "worse, through the 2-minute plans on three corpora: benchmarks/README.md; ultrathink/train/calibration.py). "
         "Pretraining only")
 
 
