@@ -12,7 +12,7 @@ from e2e_helpers import copy_project, sh
 from test_train import VOCAB, corpus, make_trainer
 from ultrathink.data.tokens import load_split
 from ultrathink.model import UltraThink
-from ultrathink.train.calibration import OUTPUT_GAIN, fit_temperature, fold_temperature
+from ultrathink.train.calibration import BETA_RANGE, OUTPUT_GAIN, ValidationLogits, fit_temperature, fold_temperature
 from ultrathink.train.loader import eval_batches
 from ultrathink.train.trainer import mean_loss
 
@@ -68,6 +68,15 @@ def test_folding_divides_the_logits_by_the_temperature_and_leaves_the_model_give
     assert all(torch.equal(before[k], v) for k, v in fitted.state_dict().items())
     assert fold_temperature(before, 1.0) is before
     assert OUTPUT_GAIN in before
+
+
+@pytest.mark.parametrize("scale, bound", [(0.01, BETA_RANGE[1]), (-0.01, BETA_RANGE[0])])
+def test_a_minimum_past_the_search_range_ends_at_its_bound(scale, bound):
+    """Logits that always rank the target first (last) lose less the sharper (flatter) they are: the loss keeps
+    falling toward β's upper (lower) bound, and the search stops next to it, below its 1e-5 tolerance."""
+    targets = torch.arange(64) % 8
+    logits = scale * torch.nn.functional.one_hot(targets, 8).float()
+    assert ValidationLogits(logits, targets).best_beta() == pytest.approx(bound, abs=1e-4)
 
 
 def test_a_model_at_its_temperature_is_left_as_it_is(fitted):

@@ -105,8 +105,8 @@ def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[
 def deadline(params: Params, decided: Decided, dist: Distributed) -> Deadline | None:
     """The end of a time budget, for the run that measured its plan (a run that reads a recorded plan takes the
     recorded steps): the budget pays for the probe and the training loop (its validation passes and checkpoints),
-    and what follows the last step (the weight average's validation pass, the temperature's pass and fit, saving the model),
-    not for the stage's start-up."""
+    and what follows the last step (the weight average's validation pass, the temperature's pass and fit, saving
+    the model), not for the stage's start-up."""
     plan = decided.plan
     if not decided.measured or not plan.budget or Budget.parse(plan.budget).kind != "seconds":
         return None

@@ -57,8 +57,8 @@ class ValidationLogits:
             with autocast(precision, str(device)):
                 logits = model(x.to(device)).logits
             logits, y = logits.reshape(-1, logits.shape[-1]), y.to(device).reshape(-1)
-            keep = y != IGNORE
-            logits, y = logits[keep][: room // logits.shape[-1]], y[keep][: room // logits.shape[-1]]
+            keep, rows = y != IGNORE, room // logits.shape[-1]
+            logits, y = logits[keep][:rows], y[keep][:rows]
             kept.append(logits)
             targets.append(y)
             room -= logits.numel()
@@ -82,13 +82,10 @@ class ValidationLogits:
         return loss / n, slope / n, curvature / n
 
     def best_beta(self, tolerance: float = 1e-5, steps: int = 60) -> float:
-        """The β in BETA_RANGE of the lowest loss: Newton steps, each kept inside the bracket [lo, hi] (the
-        derivative negative at lo, positive at hi), halving it where a step would leave it."""
+        """The β in BETA_RANGE of the lowest loss: Newton steps from β = 1, each kept inside the bracket [lo, hi]
+        that holds the minimum (by convexity, beyond any β where the derivative is negative, short of any where it
+        is positive), halving it where a step would leave it; a minimum past a bound ends next to that bound."""
         lo, hi = BETA_RANGE
-        if self.loss(lo)[1] >= 0:
-            return lo
-        if self.loss(hi)[1] <= 0:
-            return hi
         beta = 1.0
         for _ in range(steps):
             _, slope, curvature = self.loss(beta)
