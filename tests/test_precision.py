@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ultrathink.train import precision
-from ultrathink.train.precision import GPU_PEAK_FLOPS, matmul_gflops, peak_flops, table_peak
+from ultrathink.train.precision import GPU_PEAK_FLOPS, cpu_peak_gflops, matmul_gflops, peak_flops, table_peak
 
 
 @pytest.fixture(autouse=True)
@@ -140,3 +140,20 @@ def test_train_deterministic_switches_torch_to_deterministic_kernels(monkeypatch
     finally:
         use_deterministic_kernels(False)
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_cpu_peak_stops_growing_before_a_matmul_that_would_take_too_long(monkeypatch):
+    """An AVX2-only CPU runs bf16 at ~1 GFLOP/s a thread: a 2048² matmul there takes ~20 s, so its peak is taken at
+    the sizes that stay quick, while fp32 (~60 GFLOP/s a thread) is timed at every size; the peak is the fastest."""
+    rates = {torch.float32: {512: 40.0, 1024: 60.0, 2048: 58.0}, torch.bfloat16: {512: 1.2, 1024: 0.9, 2048: 0.8}}
+    asked = []
+
+    def measured(dtype, size=512, repeats=3, device="cpu"):
+        asked.append((dtype, size))
+        return rates[dtype][size]
+
+    monkeypatch.setattr(precision, "matmul_gflops", measured)
+    assert cpu_peak_gflops(torch.float32) == 60.0
+    assert cpu_peak_gflops(torch.bfloat16) == 1.2  # 1024² at 1.2 GFLOP/s would take 1.8 s
+    assert asked == [(torch.float32, 512), (torch.float32, 1024), (torch.float32, 2048), (torch.bfloat16, 512)]
+    assert 2 * 1024**3 / 1.2e9 > precision.PEAK_MATMUL_SECONDS > 2 * 2048**3 / 60e9

@@ -37,14 +37,13 @@ from ultrathink.model.kernels import AttentionKernel, choose_attention, fixed_ke
 from ultrathink.train.budget import Probe, compile_pays, probe_shape, steps_for, training_seconds, warmup_for
 from ultrathink.train import sizing
 from ultrathink.train.engine import autocast_dtype
-from ultrathink.train.precision import matmul_gflops, peak_flops
+from ultrathink.train.precision import cpu_peak_gflops, peak_flops
 from ultrathink.train.sizing import Sizing, round_figures
 
 log = logging.getLogger(__name__)
 
 GUESS_UTILISATION = 0.3  # model.size auto's first guess at the share of the device's matmul peak a step reaches
 BF16_MIN_GAIN = 1.2  # precision auto takes bf16 on a CPU only when its matmuls are at least this much faster
-PEAK_SIZES = (1024, 2048)  # matmul sizes timed for a CPU's peak: small ones reach a fraction of it (512²: half here)
 # A time plan that keeps dropout sizes its shape again at dropout's speed only where a step with it measured more than
 # this much slower: a fifth of the tokens moves the law's prediction by about sizing.MEASURE_MARGIN, within the error
 # of the step-cost model that sized the shape, so a smaller slowdown would only spend the budget on probes.
@@ -234,7 +233,7 @@ class PlanBook:
 @functools.lru_cache(maxsize=None)
 def _measure_peak(dtype_name: str, device: str) -> float:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
-    return max(matmul_gflops(dtype, size=size, repeats=5, device=device) for size in PEAK_SIZES)
+    return cpu_peak_gflops(dtype, device=device)
 
 
 def cpu_matmul_gflops(book: PlanBook | None, machine: str, device: str) -> dict[str, float]:

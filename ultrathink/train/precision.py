@@ -33,6 +33,26 @@ def matmul_gflops(dtype: torch.dtype, size: int = 512, repeats: int = 3, device:
     return 2 * size**3 / fastest / 1e9
 
 
+# A CPU's peak is the fastest of square matmuls of growing sizes: small ones reach a fraction of it (512²: half on a
+# bf16 Xeon). The sizes stop growing before one whose matmul would take longer than PEAK_MATMUL_SECONDS (at the rate
+# the last size measured): an AVX2-only CPU runs bf16 at ~1 GFLOP/s a thread, so a 2048² bf16 matmul takes ~20 s
+# there, and timing six of them made a fresh plan take over five minutes.
+CPU_PEAK_SIZES = (512, 1024, 2048)
+PEAK_MATMUL_SECONDS = 0.5
+
+
+def cpu_peak_gflops(dtype: torch.dtype, repeats: int = 5, device: DeviceLike = "cpu") -> float:
+    """A CPU's matmul peak in `dtype` (GFLOP/s, for the threads torch uses): the fastest of CPU_PEAK_SIZES, up to the
+    first size whose matmul would take longer than PEAK_MATMUL_SECONDS."""
+    best = 0.0
+    for size in CPU_PEAK_SIZES:
+        gflops = matmul_gflops(dtype, size=size, repeats=repeats, device=device)
+        best = max(best, gflops)
+        if 2 * (2 * size) ** 3 / (gflops * 1e9) > PEAK_MATMUL_SECONDS:  # the next size, doubled, at this rate
+            break
+    return best
+
+
 @functools.lru_cache(maxsize=None)
 def resolve_precision(requested: str, device: DeviceLike = "cpu") -> str:
     """'fp32', 'bf16' or 'fp16'. `auto` picks bf16 on a GPU that supports it ("cuda", "cuda:1", torch.device("cuda")
@@ -107,9 +127,11 @@ def peak_flops(precision: str, device: DeviceLike = "cpu") -> float | None:
     if name is not None and (peak := table_peak(name, precision)) is not None:
         return peak
     # A GPU needs big matrices to near its peak: an 8192² matmul takes ~1 ms on an H100 (bf16), ~0.15 s on a T4 (fp32).
-    size, repeats = (1024, 10) if name is None else (8192, 10)
     try:
-        peak = matmul_gflops(_DTYPES[precision], size=size, repeats=repeats, device=device) * 1e9
+        dtype = _DTYPES[precision]
+        gflops = (cpu_peak_gflops(dtype, device=device) if name is None
+                  else matmul_gflops(dtype, size=8192, repeats=10, device=device))
+        peak = gflops * 1e9
     except Exception as error:  # out of memory, no kernel for the dtype, a driver error...
         missing = "" if name is None else f"GPU {name!r} has no {precision} peak in GPU_PEAK_FLOPS and "
         log.warning("%smeasuring a %s matmul peak on %s failed (%s): MFU is left out", missing, precision, device,
