@@ -13,6 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from budget_quality import kept_project, row_line, text_bits_per_byte  # noqa: E402
 
 
+@pytest.mark.spawns
+@pytest.mark.slow
 def test_a_copy_is_reused_only_by_runs_sized_as_it_was(tmp_path):
     """Before the copy's record named its sizing, a copy prepared for an equal-steps run (model.size manual, the
     shipped vocabulary) was reused by a later time budget's run, which then trained a manual model at the wrong

@@ -241,6 +241,7 @@ def start(env_changes: dict) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
+@pytest.mark.spawns
 def test_no_compiler_falls_back_with_one_warning(tmp_path):
     done = start({"TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": str(tmp_path / "no-such-compiler")})
     out, _ = done.communicate(timeout=300)
@@ -250,6 +251,8 @@ def test_no_compiler_falls_back_with_one_warning(tmp_path):
     assert not list((tmp_path / "ultrathink").glob("*.so"))
 
 
+@pytest.mark.spawns
+@pytest.mark.slow
 @needs_kernel
 def test_two_builds_at_once_and_one_killed(tmp_path):
     """Two processes find an empty cache and build together; one is killed mid-build. The other finishes, the cache

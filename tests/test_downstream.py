@@ -119,6 +119,8 @@ def val_rows(project: Path, count: int) -> list[dict]:
     return rows
 
 
+@pytest.mark.spawns
+@pytest.mark.slow
 def test_a_local_task_scores_the_same_through_the_stage_the_cli_and_the_registered_models_own_code(
         trained_project, tmp_path):
     project = copy_project(trained_project, tmp_path)
@@ -186,6 +188,8 @@ def t_statistic(values: list[float]) -> float:
     return mean / (sd / len(values) ** 0.5)
 
 
+@pytest.mark.spawns
+@pytest.mark.slow
 def test_a_trained_model_beats_an_untrained_one_on_the_builtin_task(trained_project, tmp_path, monkeypatch):
     project = copy_project(trained_project, tmp_path)
     set_params(project, LEARNS_THE_TASK)
@@ -223,6 +227,8 @@ def preferred_choices(model_dir: Path, tokenizer_dir: Path, rows: list[dict]) ->
     return picks
 
 
+@pytest.mark.spawns
+@pytest.mark.slow
 def test_the_task_guard_refuses_a_challenger_that_regresses_on_a_guarded_task(trained_project, tmp_path):
     project = copy_project(trained_project, tmp_path)
     champion_dir = tmp_path / "champion"
