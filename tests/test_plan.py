@@ -40,6 +40,22 @@ def test_a_configuration_is_measured_once_then_read_back(tmp_path, monkeypatch):
     assert len(json.loads(book.path.read_text())[first.plan.machine]["plans"]) == 2
 
 
+def test_bookkeeping_reads_the_recorded_plan_and_a_timed_cadence_is_planned_again(tmp_path, monkeypatch):
+    """A knob that names no checkpoint's configuration (train.calibrate, select, threads, ...) reads back the plan
+    its run recorded: a plan measured again may decide otherwise on a busy machine, and its checkpoints would then
+    not resume. Validation's cadence is planned (a time budget pays for it), so changing it is another entry."""
+    book = PlanBook(tmp_path / "plans/train.json")
+    first = planned(book)
+    monkeypatch.setattr(plan_module, "decide", lambda *a, **k: pytest.fail("a bookkeeping change was planned again"))
+    for change in ({"calibrate": False}, {"select": "last"}, {"threads": 1}, {"log_every": 7}, {"max_bad_steps": 3}):
+        again = plan_run(MODEL, TRAIN.model_copy(update=change), 64, tokens(4000), tokens(600), "cpu", 1, book)
+        assert not again.measured and again.key == first.key and again.plan == first.plan, change
+    budget = TRAIN.model_copy(update={"max_steps": None, "budget": "30s"})
+    for change in ({"eval_every": 5}, {"eval_batches": 1}, {"checkpoint_every": 5}):
+        key = plan_module.configuration_key(MODEL, budget.model_copy(update=change), 64, 4000, 600, 1)
+        assert key != plan_module.configuration_key(MODEL, budget, 64, 4000, 600, 1), change
+
+
 def test_short_contexts_first_are_planned_for_a_corpus_read_many_times_and_a_set_share_wins(tmp_path):
     book = PlanBook(tmp_path / "train.json")
     settings = {"precision": "fp32", "attention": "torch", "compile": False}  # nothing to measure

@@ -29,6 +29,7 @@ import torch
 from filelock import FileLock
 
 from ultrathink.config import Budget, ModelConfig, TrainConfig
+from ultrathink.config.fingerprint import TRAIN_BOOKKEEPING
 from ultrathink.device import is_cuda, release_device_memory
 from ultrathink.errors import StageError
 from ultrathink.hashing import json_hash
@@ -173,9 +174,12 @@ def _sized(model_cfg, train_cfg, sized):
 
 
 # ---- the plan book -----------------------------------------------------------------------------------------------
-# Knobs that change neither a decision nor what it was measured on.
-NOT_PLANNED = frozenset({"keep_checkpoints", "keep_configs", "log_every", "resume", "select", "init_from",
-                         "init_optimizer", "tensorboard", "max_bad_steps", "threads"})
+# Knobs that change neither a decision nor what it was measured on: the bookkeeping knobs (they name no checkpoint's
+# configuration either), except the cadence of validation and checkpoints, whose cost a time budget's steps are
+# planned around (budget.steps_for), and whether the parent's optimizer state is loaded. A knob left out here re-plans
+# a run that changes it, and a re-measured plan may decide otherwise on a busy machine, which changes the
+# checkpoints' fingerprint: turning train.calibrate off then trained again instead of resuming.
+NOT_PLANNED = (TRAIN_BOOKKEEPING - {"eval_every", "eval_batches", "checkpoint_every"}) | {"init_optimizer"}
 
 
 def configuration_key(model_cfg, train_cfg, vocab_size: int, train_tokens: int, val_tokens: int,
