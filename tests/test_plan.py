@@ -40,6 +40,21 @@ def test_a_configuration_is_measured_once_then_read_back(tmp_path, monkeypatch):
     assert len(json.loads(book.path.read_text())[first.plan.machine]["plans"]) == 2
 
 
+def test_a_set_precision_measures_only_its_own_peak_and_auto_measures_the_rest(tmp_path, monkeypatch):
+    book = PlanBook(tmp_path / "plans/train.json")
+    measured, measure = [], plan_module._measure_peak
+    monkeypatch.setattr(plan_module, "_measure_peak",
+                        lambda name, device: measured.append(name) or measure(name, device))  # the real one, counted
+    fp32 = plan_run(MODEL, TRAIN.model_copy(update={"precision": "fp32"}), 64, tokens(4000), tokens(600), "cpu", 1,
+                    book)
+    machine = fp32.plan.machine
+    assert measured == ["fp32"] and book.matmul_gflops(machine).keys() == {"fp32"}
+    assert fp32.peak_flops == book.matmul_gflops(machine)["fp32"] * 1e9  # MFU's denominator
+    auto = planned(book)
+    assert measured == ["fp32", "bf16"] and book.matmul_gflops(machine).keys() == {"fp32", "bf16"}
+    assert auto.plan.precision in ("fp32", "bf16")
+
+
 def test_bookkeeping_reads_the_recorded_plan_and_a_timed_cadence_is_planned_again(tmp_path, monkeypatch):
     """A knob that names no checkpoint's configuration (train.calibrate, select, threads, ...) reads back the plan
     its run recorded: a plan measured again may decide otherwise on a busy machine, and its checkpoints would then

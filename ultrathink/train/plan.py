@@ -240,15 +240,22 @@ def _measure_peak(dtype_name: str, device: str) -> float:
     return cpu_peak_gflops(dtype, device=device)
 
 
-def cpu_matmul_gflops(book: PlanBook | None, machine: str, device: str) -> dict[str, float]:
-    """The CPU's matmul peak in fp32 and bf16 (GFLOP/s): read from the book, else measured once and recorded."""
+def peak_dtypes(precision: str) -> tuple[str, ...]:
+    """Whose matmul peaks a run in `precision` needs: both to decide `auto`, else its own (MFU's denominator); none
+    for fp16, which a CPU's peak is not measured in."""
+    return ("fp32", "bf16") if precision == "auto" else tuple(d for d in ("fp32", "bf16") if d == precision)
+
+
+def cpu_matmul_gflops(book: PlanBook | None, machine: str, device: str,
+                      dtypes: tuple[str, ...] = ("fp32", "bf16")) -> dict[str, float]:
+    """The CPU's matmul peak in each of `dtypes` (GFLOP/s): read from the book, else measured once and recorded.
+    Only what is asked is measured: an AVX2-only CPU takes ~1.3 s to time bf16 alone, which a run in fp32 never
+    uses."""
     known = book.matmul_gflops(machine) if book else {}
-    if {"fp32", "bf16"} <= known.keys():
-        return known
-    measured = {name: round(_measure_peak(name, device), 1) for name in ("fp32", "bf16")}
-    if book:
+    measured = {name: round(_measure_peak(name, device), 1) for name in dtypes if name not in known}
+    if measured and book:
         book.record(machine, matmul_gflops=measured)
-    return measured
+    return {**known, **measured}
 
 
 def decide_precision(requested: str, device: str, gflops: dict[str, float] | None) -> str:
@@ -323,7 +330,8 @@ def plan_run(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, de
     (measuring what must be measured) and record it there. Without a book (a probe, a benchmark) it decides."""
     machine = machine_class(device)
     key = configuration_key(model_cfg, train_cfg, vocab_size, len(train_tokens), len(val_tokens), world_size)
-    gflops = cpu_matmul_gflops(book, machine, device) if not is_cuda(device) else None
+    gflops = (cpu_matmul_gflops(book, machine, device, peak_dtypes(train_cfg.precision)) if not is_cuda(device)
+              else None)
     recorded = book.plan(machine, key) if book else None
     others = book.others(machine, key) if book else {}
     if recorded is not None:
