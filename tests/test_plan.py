@@ -58,7 +58,8 @@ def test_a_set_precision_measures_only_its_own_peak_and_auto_measures_the_rest(t
 def test_bookkeeping_reads_the_recorded_plan_and_a_timed_cadence_is_planned_again(tmp_path, monkeypatch):
     """A knob that names no checkpoint's configuration (train.calibrate, select, threads, ...) reads back the plan
     its run recorded: a plan measured again may decide otherwise on a busy machine, and its checkpoints would then
-    not resume. Validation's cadence is planned (a time budget pays for it), so changing it is another entry."""
+    not resume. Validation's cadence is planned under a time budget (which pays for it): there, changing it is another
+    entry."""
     book = PlanBook(tmp_path / "plans/train.json")
     first = planned(book)
     monkeypatch.setattr(plan_module, "decide", lambda *a, **k: pytest.fail("a bookkeeping change was planned again"))
@@ -69,6 +70,9 @@ def test_bookkeeping_reads_the_recorded_plan_and_a_timed_cadence_is_planned_agai
     for change in ({"eval_every": 5}, {"eval_batches": 1}, {"checkpoint_every": 5}):
         key = plan_module.configuration_key(MODEL, budget.model_copy(update=change), 64, 4000, 600, 1)
         assert key != plan_module.configuration_key(MODEL, budget, 64, 4000, 600, 1), change
+        # Without a time budget the cadence plans nothing (fine-tuning's finetune.eval_every, say): the same key.
+        steps = plan_module.configuration_key(MODEL, TRAIN.model_copy(update=change), 64, 4000, 600, 1)
+        assert steps == first.key, change
 
 
 def test_short_contexts_first_are_planned_for_a_corpus_read_many_times_and_a_set_share_wins(tmp_path):

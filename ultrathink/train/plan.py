@@ -175,20 +175,23 @@ def _sized(model_cfg, train_cfg, sized):
 
 # ---- the plan book -----------------------------------------------------------------------------------------------
 # Knobs that change neither a decision nor what it was measured on: the bookkeeping knobs (they name no checkpoint's
-# configuration either), except the cadence of validation and checkpoints, whose cost a time budget's steps are
-# planned around (budget.steps_for), and whether the parent's optimizer state is loaded. A knob left out here re-plans
-# a run that changes it, and a re-measured plan may decide otherwise on a busy machine, which changes the
-# checkpoints' fingerprint: turning train.calibrate off then trained again instead of resuming.
-NOT_PLANNED = (TRAIN_BOOKKEEPING - {"eval_every", "eval_batches", "checkpoint_every"}) | {"init_optimizer"}
+# configuration either) and whether the parent's optimizer state is loaded. The cadence of validation and checkpoints
+# counts only under a time budget, whose steps are planned around its cost (budget.steps_for). A knob hashed here for
+# nothing re-plans a run that changes it, and a re-measured plan may decide otherwise on a busy machine, which changes
+# the checkpoints' fingerprint: turning train.calibrate off then trained again instead of resuming.
+TIMED_CADENCE = frozenset({"eval_every", "eval_batches", "checkpoint_every"})
+NOT_PLANNED = (TRAIN_BOOKKEEPING - TIMED_CADENCE) | {"init_optimizer"}
 
 
 def configuration_key(model_cfg, train_cfg, vocab_size: int, train_tokens: int, val_tokens: int,
                       world_size: int) -> str:
-    """What a plan is measured for: the model and train knobs, the vocabulary, the splits' sizes, and the number of
-    ranks only where a time budget makes the plan depend on their speed. Otherwise a run resumed on another number
-    of ranks reads the same plan, so its checkpoints' fingerprint is the same."""
+    """What a plan is measured for: the model and train knobs, the vocabulary, the splits' sizes, and the cadence
+    of validation and checkpoints and the number of ranks only where a time budget makes the plan depend on them.
+    Otherwise a run resumed on another number of ranks, or validating more often, reads the same plan, so its
+    checkpoints' fingerprint is the same."""
     timed = train_cfg.budget is not None and Budget.parse(train_cfg.budget).kind == "seconds"
-    return json_hash({"model": model_cfg.model_dump(), "train": train_cfg.model_dump(exclude=set(NOT_PLANNED)),
+    not_planned = NOT_PLANNED if timed else NOT_PLANNED | TIMED_CADENCE
+    return json_hash({"model": model_cfg.model_dump(), "train": train_cfg.model_dump(exclude=set(not_planned)),
                       "vocab_size": vocab_size, "tokens": [train_tokens, val_tokens],
                       "world_size": world_size if timed else None})
 
