@@ -130,3 +130,37 @@ def test_flash_attention_in_fp32_on_a_gpu_is_refused_before_training():
     kernel, timings = decide_attention("flash", MODEL, 4, "fp32", "cpu")  # the CPU has an fp32 flash kernel
     assert (kernel.backend, timings) == ("flash", {})
     assert decide_attention("flash", MODEL, 4, "bf16", "cuda:0")[0].backend == "flash"
+
+
+class Ranks:
+    """Two ranks' ends of Distributed.share (a broadcast from the main rank), in one process: the main rank's message
+    is what the other rank receives."""
+
+    def __init__(self):
+        self.sent = []
+
+    def end(self, rank: int):
+        ranks = self
+
+        class End:
+            is_main = rank == 0
+
+            def share(self, message):
+                if self.is_main:
+                    ranks.sent.append(json.loads(json.dumps(message)))  # what crosses the wire: JSON-like values
+                    return message
+                return ranks.sent.pop(0)
+
+        return End()
+
+
+def test_the_other_ranks_follow_the_main_ranks_plan_and_its_peak_without_measuring(tmp_path, monkeypatch):
+    ranks, book = Ranks(), PlanBook(tmp_path / "plans/train.json")
+    main = plan_module.plan_on_main(ranks.end(0), lambda: planned(book))
+    assert main.measured and main.peak_flops > 0
+    monkeypatch.setattr(plan_module, "decide", lambda *a, **k: pytest.fail("a following rank planned"))
+    monkeypatch.setattr(plan_module, "_measure_peak", lambda *a: pytest.fail("a following rank measured a peak"))
+    other = plan_module.plan_on_main(ranks.end(1), lambda: pytest.fail("a following rank decided"))
+    assert other.plan == main.plan and other.measured
+    # MFU's denominator is the main rank's: a rank measuring its own spends a second or more of CPU on it.
+    assert other.peak_flops == main.peak_flops

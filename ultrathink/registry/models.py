@@ -16,7 +16,6 @@ from ultrathink.device import DeviceLike
 from ultrathink.errors import StageError
 from ultrathink.model.hf import is_hf_checkpoint
 from ultrathink.model.model import CONFIG_FILE
-from ultrathink.registry.tracking import pin_model_uri, use_tracking
 from ultrathink.scoring import TextScore
 from ultrathink.text_eval import ModelFiles, score_model
 from ultrathink.tokenizer import tokenizer_hash
@@ -78,6 +77,8 @@ def _from_mlflow(uri: str, root: Path) -> ModelFiles:
     import mlflow
     from mlflow.exceptions import MlflowException
 
+    from ultrathink.registry.tracking import use_tracking
+
     store = use_tracking(root)
     try:
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri))
@@ -105,6 +106,8 @@ class NamedModel:
 
 def resolve_named_model(ref: str, root: Path = Path(".")) -> NamedModel:
     """train.init_from / finetune.init_from → the model's files, an MLflow alias pinned first."""
+    from ultrathink.registry.tracking import pin_model_uri  # MLflow: only for a name in the registry
+
     pinned = pin_model_uri(ref, root) if is_mlflow_uri(ref) else ref
     return NamedModel(ref, pinned, resolve_model_files(pinned, root))
 

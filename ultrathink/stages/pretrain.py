@@ -7,7 +7,6 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
-import mlflow
 import torch
 
 from ultrathink.config import Budget, Params
@@ -18,7 +17,6 @@ from ultrathink.io import atomic_dir, atomic_write_json
 from ultrathink.lineage import TRAINING_CODE, code_hash, lineage_tags
 from ultrathink.model import UltraThink
 from ultrathink.model.model import WEIGHTS_FILE
-from ultrathink.registry.tracking import flat_keys, training_run
 from ultrathink.registry.models import is_mlflow_uri, resolve_named_model
 from ultrathink.tokenizer import tokenizer_hash
 from ultrathink.train.averaging import ema_horizon_for
@@ -38,6 +36,8 @@ log = logging.getLogger(__name__)
 
 def flat_params(params: Params) -> dict[str, object]:
     """The data, tokenizer, model and train knobs as MLflow params (`train.lr`, ...)."""
+    from ultrathink.registry.tracking import flat_keys
+
     dump = params.model_dump(by_alias=True)
     sections = ("data", "tokenizer", "model", "train")
     return {k: v for section in sections for k, v in flat_keys(section, dump[section]).items()}
@@ -45,6 +45,8 @@ def flat_params(params: Params) -> dict[str, object]:
 
 def cleaning_metrics(validate_report: str) -> dict[str, float]:
     """The validate stage's counts (documents dropped per cleaning step, matches per constitution principle)."""
+    from ultrathink.registry.tracking import flat_keys
+
     cleaning = json.loads(Path(validate_report).read_text()).get("cleaning", {})
     return {k: float(v) for k, v in flat_keys("cleaning", cleaning).items() if isinstance(v, (int, float))}
 
@@ -178,7 +180,13 @@ def train_and_record(params: Params, trainer: Trainer, resumed: int | None, pare
                      decided: Decided) -> None:
     """Train under this configuration's MLflow run; write the model directory (weights and what the inputs
     determine: config, loss history, summary, lineage — so its hash in dvc.lock is reproduced by the same inputs)
-    and, beside it, this run's facts (paths.train_run: run id, seconds, tokens/s), which change every run."""
+    and, beside it, this run's facts (paths.train_run: run id, seconds, tokens/s), which change every run.
+    MLflow is imported here, on the main rank alone: the other ranks never talk to it, and its import is 2-3 s of
+    CPU that a rank would spend while the run waits for it."""
+    import mlflow
+
+    from ultrathink.registry.tracking import training_run
+
     p, plan = params.paths, decided.plan
     checkpoints = trainer.checkpoints
     with training_run(checkpoints.directory, bool(resumed), params.registry.experiment, params.train,

@@ -243,14 +243,16 @@ def _measure_peak(dtype_name: str, device: str) -> float:
     return cpu_peak_gflops(dtype, device=device)
 
 
+CPU_PEAK_DTYPES = ("fp32", "bf16")  # the precisions a CPU's matmul peak is measured in
+
+
 def peak_dtypes(precision: str) -> tuple[str, ...]:
     """Whose matmul peaks a run in `precision` needs: both to decide `auto`, else its own (MFU's denominator); none
     for fp16, which a CPU's peak is not measured in."""
-    return ("fp32", "bf16") if precision == "auto" else tuple(d for d in ("fp32", "bf16") if d == precision)
+    return CPU_PEAK_DTYPES if precision == "auto" else tuple(d for d in CPU_PEAK_DTYPES if d == precision)
 
 
-def cpu_matmul_gflops(book: PlanBook | None, machine: str, device: str,
-                      dtypes: tuple[str, ...] = ("fp32", "bf16")) -> dict[str, float]:
+def cpu_matmul_gflops(book: PlanBook | None, machine: str, device: str, dtypes: tuple[str, ...]) -> dict[str, float]:
     """The CPU's matmul peak in each of `dtypes` (GFLOP/s): read from the book, else measured once and recorded.
     Only what is asked is measured: an AVX2-only CPU takes ~1.3 s to time bf16 alone, which a run in fp32 never
     uses."""
@@ -379,13 +381,14 @@ class RankProbes:
 
 def plan_on_main(dist, decide: Callable[[], Decided], probes: RankProbes | None = None) -> Decided:
     """The plan of a run on `dist`'s ranks: the main rank `decide`s (reads the book, or measures and records), the
-    others follow its plan and record nothing; with `probes` they take part in its probes."""
+    others follow its plan and record nothing; with `probes` they take part in its probes. They take its peak
+    FLOP/s too (MFU's denominator): on a CPU, a rank measuring its own would spend a second or more on it."""
     if dist.is_main:
         decided = decide()
-        dist.share({"plan": decided.plan.to_dict(), "measured": decided.measured})
+        dist.share({"plan": decided.plan.to_dict(), "measured": decided.measured, "peak_flops": decided.peak_flops})
         return decided
     message = probes.follow() if probes else dist.share(None)
-    return Decided(Plan.from_dict(message["plan"]), message["measured"], {}, None, "")
+    return Decided(Plan.from_dict(message["plan"]), message["measured"], {}, message["peak_flops"], "")
 
 
 def other_class_line(plan: Plan, others: dict[str, Plan]) -> str:
