@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from e2e_helpers import client_for, copy_project, ran_stages, set_params, sh
 
@@ -166,6 +168,22 @@ def test_a_worse_fine_tune_is_registered_but_the_chat_champion_stays(changed):
     assert decision["previous_value"] == pytest.approx(float(first.tags["val_bpb"]), rel=1e-6)
     assert decision["value"] > decision["previous_value"]
     assert int(client_for(project).get_model_version_by_alias("ultrathink-chat", "champion").version) == 1
+
+
+def test_a_new_validation_cadence_resumes_the_finished_fine_tune_under_its_recorded_plan(changed):
+    """finetune.eval_every is bookkeeping (it sets when to validate and checkpoint, not the weights): changed after a
+    run, the stage reads that run's plan back (no new plan is measured, which on a busy machine could decide
+    otherwise and so train a new configuration) and resumes its last checkpoint, training nothing again."""
+    project = changed
+    finetuned, book = project / "artifacts/finetuned", project / "plans/finetune.json"
+    weights, plans = load_file(finetuned / "model/model.safetensors"), json.loads(book.read_text())
+    set_params(project, {"finetune": {**FINETUNE, "eval_every": 30}})
+    sh(["python", "-m", "tasks.finetune"], project)
+    status = json.loads((finetuned / "finetune.json").read_text())
+    assert status["resumed_from"] == status["steps"] == FINETUNE["max_steps"]
+    again = load_file(finetuned / "model/model.safetensors")
+    assert all(torch.equal(weights[k], again[k]) for k in weights)
+    assert json.loads(book.read_text()) == plans  # no new configuration was planned
 
 
 def test_bad_pairs_stop_at_the_gate_and_register_nothing(changed):
