@@ -132,35 +132,27 @@ def test_flash_attention_in_fp32_on_a_gpu_is_refused_before_training():
     assert decide_attention("flash", MODEL, 4, "bf16", "cuda:0")[0].backend == "flash"
 
 
-class Ranks:
-    """Two ranks' ends of Distributed.share (a broadcast from the main rank), in one process: the main rank's message
-    is what the other rank receives."""
+class RankEnd:
+    """One rank's end of Distributed.share (a broadcast from the main rank), in one process: what the main rank
+    shares goes on `wire` as JSON carries it, and the other rank receives that."""
 
-    def __init__(self):
-        self.sent = []
+    def __init__(self, rank: int, wire: list):
+        self.is_main, self.wire = rank == 0, wire
 
-    def end(self, rank: int):
-        ranks = self
-
-        class End:
-            is_main = rank == 0
-
-            def share(self, message):
-                if self.is_main:
-                    ranks.sent.append(json.loads(json.dumps(message)))  # what crosses the wire: JSON-like values
-                    return message
-                return ranks.sent.pop(0)
-
-        return End()
+    def share(self, message):
+        if self.is_main:
+            self.wire.append(json.loads(json.dumps(message)))
+            return message
+        return self.wire.pop(0)
 
 
 def test_the_other_ranks_follow_the_main_ranks_plan_and_its_peak_without_measuring(tmp_path, monkeypatch):
-    ranks, book = Ranks(), PlanBook(tmp_path / "plans/train.json")
-    main = plan_module.plan_on_main(ranks.end(0), lambda: planned(book))
+    wire, book = [], PlanBook(tmp_path / "plans/train.json")
+    main = plan_module.plan_on_main(RankEnd(0, wire), lambda: planned(book))
     assert main.measured and main.peak_flops > 0
     monkeypatch.setattr(plan_module, "decide", lambda *a, **k: pytest.fail("a following rank planned"))
     monkeypatch.setattr(plan_module, "_measure_peak", lambda *a: pytest.fail("a following rank measured a peak"))
-    other = plan_module.plan_on_main(ranks.end(1), lambda: pytest.fail("a following rank decided"))
+    other = plan_module.plan_on_main(RankEnd(1, wire), lambda: pytest.fail("a following rank decided"))
     assert other.plan == main.plan and other.measured
     # MFU's denominator is the main rank's: a rank measuring its own spends a second or more of CPU on it.
     assert other.peak_flops == main.peak_flops

@@ -31,7 +31,7 @@ from mlflow.entities import LifecycleStage, Metric
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from ultrathink.config import PathsConfig, TrainConfig
+from ultrathink.config import Params, PathsConfig, TrainConfig
 from ultrathink.errors import StageError
 from ultrathink.io import atomic_write_json
 from ultrathink.model.model import WEIGHTS_FILE
@@ -267,6 +267,19 @@ def flat_keys(prefix: str, value) -> dict[str, object]:
     if isinstance(value, dict):
         return {k: v for key, sub in value.items() for k, v in flat_keys(f"{prefix}.{key}", sub).items()}
     return {prefix: value}
+
+
+def flat_params(params: Params) -> dict[str, object]:
+    """The data, tokenizer, model and train knobs as MLflow params (`train.lr`, ...)."""
+    dump = params.model_dump(by_alias=True)
+    sections = ("data", "tokenizer", "model", "train")
+    return {k: v for section in sections for k, v in flat_keys(section, dump[section]).items()}
+
+
+def cleaning_metrics(validate_report: str) -> dict[str, float]:
+    """The validate stage's counts (documents dropped per cleaning step, matches per constitution principle)."""
+    cleaning = json.loads(Path(validate_report).read_text()).get("cleaning", {})
+    return {k: float(v) for k, v in flat_keys("cleaning", cleaning).items() if isinstance(v, (int, float))}
 
 
 def metric_sinks(train: TrainConfig, paths: PathsConfig, run_id: str) -> MetricSinks:

@@ -34,23 +34,6 @@ from ultrathink.train.warm_start import (LINEAGE_FILE, Parent, WarmStartError, c
 log = logging.getLogger(__name__)
 
 
-def flat_params(params: Params) -> dict[str, object]:
-    """The data, tokenizer, model and train knobs as MLflow params (`train.lr`, ...)."""
-    from ultrathink.registry.tracking import flat_keys
-
-    dump = params.model_dump(by_alias=True)
-    sections = ("data", "tokenizer", "model", "train")
-    return {k: v for section in sections for k, v in flat_keys(section, dump[section]).items()}
-
-
-def cleaning_metrics(validate_report: str) -> dict[str, float]:
-    """The validate stage's counts (documents dropped per cleaning step, matches per constitution principle)."""
-    from ultrathink.registry.tracking import flat_keys
-
-    cleaning = json.loads(Path(validate_report).read_text()).get("cleaning", {})
-    return {k: float(v) for k, v in flat_keys("cleaning", cleaning).items() if isinstance(v, (int, float))}
-
-
 def resolve_parent(ref: str, model_dir: Path) -> Parent:
     """train.init_from → the parent's local files. An alias is pinned to the version it names now, and that
     version is what the lineage records."""
@@ -185,7 +168,7 @@ def train_and_record(params: Params, trainer: Trainer, resumed: int | None, pare
     CPU that a rank would spend while the run waits for it."""
     import mlflow
 
-    from ultrathink.registry.tracking import training_run
+    from ultrathink.registry.tracking import cleaning_metrics, flat_params, training_run
 
     p, plan = params.paths, decided.plan
     checkpoints = trainer.checkpoints
