@@ -50,8 +50,8 @@ def train(project: Path, budget: str, overrides: list[str]) -> dict:
         *sum((["--set", o] for o in overrides), [])], project)
     stage_seconds = time.perf_counter() - started
     facts = json.loads((project / "reports" / "train_run.json").read_text())
-    ((plan,),) = [[p for p in entry["plans"].values() if p["budget"] == budget]
-                  for entry in json.loads((project / "plans" / "train.json").read_text()).values()]
+    book = json.loads((project / "plans" / "train.json").read_text())  # it may hold other machines' plans too
+    (plan,) = [p for p in book[facts["machine"]]["plans"].values() if p["budget"] == budget]
     amount = Budget.parse(budget).amount
     spent = plan["probe"]["seconds"] + facts["seconds"]
     return {"budget": budget, "probe_s": plan["probe"]["seconds"], "train_s": facts["seconds"], "spent_s": spent,
