@@ -199,8 +199,8 @@ def test_loss_is_cross_entropy_and_gradients_reach_every_parameter(qk_norm):
 
 def test_a_model_on_the_meta_device_draws_no_weights_and_counts_as_one_on_the_cpu(monkeypatch):
     """The meta device holds no values, so the init's draws are skipped there (sizing builds every candidate shape
-    on it: they were two thirds of the time); a model on the CPU still draws all of them, and both count the same
-    parameters and FLOPs, which is what sizing reads."""
+    on it: they were two thirds of its time); a model on the CPU still draws every Linear and Embedding, and both
+    count the same parameters and FLOPs, which is what sizing reads."""
     drawn = []
     real_init = UltraThink._init_weights
     monkeypatch.setattr(UltraThink, "_init_weights", lambda self, module: drawn.append(module) or real_init(self, module))
@@ -210,7 +210,7 @@ def test_a_model_on_the_meta_device_draws_no_weights_and_counts_as_one_on_the_cp
     torch.manual_seed(0)
     on_cpu = UltraThink(CFG, VOCAB)
     assert sum(isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) for m in drawn) == 1 + 7 * CFG.n_layers
-    # The CPU model's weights are the seeded draws of before: tiny() builds the same model.
+    # Drawn from the seed alone: tiny(0) builds the same weights.
     assert all(torch.equal(a, b) for a, b in zip(on_cpu.state_dict().values(), tiny(0).state_dict().values()))
     assert on_cpu.embed.weight.std().item() == pytest.approx(CFG.init_std, rel=0.1)
     assert (on_meta.num_params(), on_meta.flops_per_token()) == (on_cpu.num_params(), on_cpu.flops_per_token())
