@@ -4,6 +4,7 @@ import cycle, function-level imports included (such an import hides a cycle; it 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -157,3 +158,18 @@ def test_the_train_stage_imports_neither_transformers_nor_mlflow():
              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'mlflow')))")
     done = subprocess.run([sys.executable, "-c", probe], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.spawns
+def test_a_warm_start_from_a_directory_imports_no_mlflow(tmp_path):
+    """train.init_from or finetune.init_from naming a directory is resolved on every rank; only a registry name
+    needs MLflow (pinning its alias), so a directory's ranks never import it."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model/config.json").write_text(json.dumps({"format": "ultrathink"}))
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer/tokenizer.json").write_text("{}")
+    probe = ("import sys; from ultrathink.registry.models import resolve_named_model; "
+             f"named = resolve_named_model({str(tmp_path / 'model')!r}); "
+             "print(named.files.tokenizer_dir.name, sorted(m for m in sys.modules if m.startswith('mlflow')))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "tokenizer []"

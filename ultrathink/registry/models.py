@@ -106,9 +106,11 @@ class NamedModel:
 
 def resolve_named_model(ref: str, root: Path = Path(".")) -> NamedModel:
     """train.init_from / finetune.init_from → the model's files, an MLflow alias pinned first."""
-    from ultrathink.registry.tracking import pin_model_uri  # MLflow: only for a name in the registry
+    pinned = ref
+    if is_mlflow_uri(ref):  # MLflow is imported for a name in the registry only: not by a directory's ranks
+        from ultrathink.registry.tracking import pin_model_uri
 
-    pinned = pin_model_uri(ref, root) if is_mlflow_uri(ref) else ref
+        pinned = pin_model_uri(ref, root)
     return NamedModel(ref, pinned, resolve_model_files(pinned, root))
 
 
