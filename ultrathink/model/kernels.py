@@ -85,18 +85,24 @@ def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mas
 MIN_GAIN = 1.1
 
 
-def candidates(setting: str, device: str, autocast_dtype: torch.dtype | None) -> list[AttentionKernel]:
+def candidates(setting: str, device: str, autocast_dtype: torch.dtype | None,
+               dropout: float = 0.0) -> list[AttentionKernel]:
     """The default first (torch's choice, in fp32 on a CPU under bf16), then the alternatives `auto` times. matmul
     only under autocast: in fp32 it is the math kernel's arithmetic again, and where two kernels tie a timing that
     picks either makes two runs of one configuration compute differently (at a test's tiny fp32 shape it won in one
-    process and lost in the next)."""
+    process and lost in the next). Under attention dropout a CPU has no flash kernel and torch's choice is math in
+    fp32, so flash and math in fp32 are left out: math in fp32 trains with the default's arithmetic, yet validation
+    (no dropout) runs the default as flash, and a timing that picked math by noise made two runs of one
+    configuration report different validation losses (tests/test_resume_kill.py, on a busy machine)."""
     if setting != "auto":
         return [AttentionKernel(setting, fp32=False)]
     if device_type(device) != "cpu":
         return [AttentionKernel("torch", fp32=False)]
     upcasts = (False, True) if autocast_dtype == torch.bfloat16 else (False,)
-    return ([AttentionKernel()] + [AttentionKernel(b, fp32) for b in _BACKENDS for fp32 in upcasts]
-            + ([AttentionKernel("matmul", False)] if autocast_dtype is not None else []))
+    options = [AttentionKernel(b, fp32) for b in _BACKENDS for fp32 in upcasts]
+    if dropout:  # torch's choice is math in its dtype (fp32): only math in another dtype computes differently
+        options = [o for o in options if o.backend == "math" and autocast_dtype == torch.bfloat16 and not o.fp32]
+    return [AttentionKernel()] + options + ([AttentionKernel("matmul", False)] if autocast_dtype is not None else [])
 
 
 def fixed_kernel(setting: str) -> AttentionKernel:
@@ -116,7 +122,7 @@ def choose_attention(setting: str, batch: int, heads: int, kv_heads: int, seq_le
     default and math are the same kernel, and math in bf16 used to win or lose against math in fp32 by noise —
     two runs of one configuration then computed differently. The choice is still a measurement, so the train
     stage makes it once per configuration and machine class and records it (ultrathink/train/plan.py)."""
-    options = candidates(setting, device, autocast_dtype)
+    options = candidates(setting, device, autocast_dtype, dropout)
     if len(options) == 1:
         return options[0], {}
     generator = torch.Generator(device=device).manual_seed(0)  # the global generators stay untouched
