@@ -922,8 +922,9 @@ def test_attention_auto_times_each_kernel_and_keeps_the_default_unless_clearly_f
 
 def test_a_near_tie_between_kernels_is_kept_by_the_order_not_by_the_lower_timing(monkeypatch):
     """The dropout nondeterminism's root cause: under dropout the candidates left (torch's own, which is math in
-    fp32, and math in bf16) time within noise of each other, and the lowest timing used to win among them, so
-    runs of one configuration trained in different dtypes. Timings within MIN_GAIN keep the earlier kernel."""
+    fp32, math in bf16 and the bf16 matmul kernel) time within noise of each other, and the lowest timing used to
+    win among them, so runs of one configuration trained in different dtypes. Timings within MIN_GAIN keep the
+    earlier kernel."""
     from ultrathink.model import kernels
 
     def timer(times):

@@ -100,8 +100,8 @@ def candidates(setting: str, device: str, autocast_dtype: torch.dtype | None,
         return [AttentionKernel("torch", fp32=False)]
     upcasts = (False, True) if autocast_dtype == torch.bfloat16 else (False,)
     options = [AttentionKernel(b, fp32) for b in _BACKENDS for fp32 in upcasts]
-    if dropout:  # torch's choice is math in its dtype (fp32): only math in another dtype computes differently
-        options = [o for o in options if o.backend == "math" and autocast_dtype == torch.bfloat16 and not o.fp32]
+    if dropout:  # torch's choice is math in fp32: of flash and math, only math in bf16 computes differently
+        options = [AttentionKernel("math", fp32=False)] if autocast_dtype == torch.bfloat16 else []
     return [AttentionKernel()] + options + ([AttentionKernel("matmul", False)] if autocast_dtype is not None else [])
 
 
