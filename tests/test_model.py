@@ -214,3 +214,28 @@ def test_a_model_on_the_meta_device_draws_no_weights_and_counts_as_one_on_the_cp
     assert all(torch.equal(a, b) for a, b in zip(on_cpu.state_dict().values(), tiny(0).state_dict().values()))
     assert on_cpu.embed.weight.std().item() == pytest.approx(CFG.init_std, rel=0.1)
     assert (on_meta.num_params(), on_meta.flops_per_token()) == (on_cpu.num_params(), on_cpu.flops_per_token())
+
+
+def test_under_compile_on_a_cpu_the_embeddings_gradient_is_atens_kernel_with_eagers_values():
+    """torch.compile's backward calls the opaque ultrathink::embedding_backward (ATen's kernel; Inductor would
+    write an atomic add per element: ultrathink/model/embedding.py) and every gradient, the tied table's included
+    (the lookup's and the output projection's summed), is what eager computes. Repeated tokens sum into one row."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = tiny()
+    idx = torch.randint(0, VOCAB, (3, 16))
+    idx[0, :6] = 5
+    model(idx, idx).loss.backward()
+    eager = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as traced:
+            compiled(idx, idx).loss.backward()
+    finally:
+        torch._dynamo.reset()
+    calls = {event.key for event in traced.key_averages()}
+    assert "ultrathink::embedding_backward" in calls
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, eager[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert eager["embed.weight"][5].abs().sum() > 0

@@ -14,7 +14,7 @@ from ultrathink.train.loader import BatchLayout, BatchSplitError, ContextWarmup,
 from ultrathink.train.optim import param_groups
 from ultrathink.train.schedule import decay_from, lr_factor
 from ultrathink.train.distributed import Distributed
-from ultrathink.train.engine import build_engine
+from ultrathink.train.engine import build_engine, clip_grad_norm
 from ultrathink.train.trainer import Deadline, NonFiniteLossError, Trainer, ready_model
 
 MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, seq_len=16)
@@ -602,3 +602,28 @@ def test_a_time_budget_never_replans_past_the_plans_step_ceiling(tmp_path):
     assert grown.value.args[0] > 20
     capped = make_trainer(tmp_path / "capped", 20, deadline=Deadline(**roomy, most_steps=20))
     assert capped.fit().step == 20
+
+
+@pytest.mark.parametrize("norm", [0.25, 1.0 - 1e-7, 1.0, 1.0 + 1e-7, 4.0, math.nan])
+def test_clipping_leaves_the_gradients_bitwise_as_torch_does_and_writes_none_within_the_limit(norm):
+    """clip_grad_norm (the engine's) against torch's clip_grad_norm_ on copies of the same gradients, scaled to a
+    total norm below, at and just around max_norm 1.0, above it and NaN: the same norm and the same gradient bits.
+    Clearly within the limit (0.25) no gradient is written (torch multiplies each by exactly 1); from within fp32's
+    rounding of it on, each is, by the coefficient torch computes."""
+    torch.manual_seed(0)
+    grads = [torch.randn(shape) for shape in ((7, 5), (5,), (3, 4, 2))]
+    total = torch.nn.utils.get_total_norm(grads)
+    ours, theirs = ([torch.nn.Parameter(torch.zeros_like(g)) for g in grads] for _ in range(2))
+    for p, q, g in zip(ours, theirs, grads):
+        p.grad, q.grad = g * (norm / total), g * (norm / total)
+    versions = [p.grad._version for p in ours]
+    expected = torch.nn.utils.clip_grad_norm_(theirs, 1.0).item()
+    got = clip_grad_norm(ours, 1.0)
+    assert got == expected or (math.isnan(got) and math.isnan(expected))
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p.grad, q.grad) or (p.grad.isnan().all() and q.grad.isnan().all())
+    written = [p.grad._version != v for p, v in zip(ours, versions)]
+    assert written == [norm != 0.25] * len(ours)
+    never = [torch.nn.Parameter(torch.zeros(3))]
+    never[0].grad = torch.full((3,), 1e9)
+    assert clip_grad_norm(never, math.inf) == pytest.approx(3 ** 0.5 * 1e9) and never[0].grad._version == 0

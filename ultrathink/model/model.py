@@ -29,6 +29,7 @@ from ultrathink.config.schema import RopeScaling
 from ultrathink.device import resolve_device
 from ultrathink.hashing import file_sha256
 from ultrathink.model import cpu_kernels, hf
+from ultrathink.model.embedding import Embedding
 from ultrathink.model.kernels import AttentionKernel
 from ultrathink.model.routing import Records, RoutingModule, StepStats, numel, prefixed, variant_classes
 
@@ -245,7 +246,7 @@ class UltraThink(nn.Module):
         super().__init__()
         self.cfg, self.vocab_size = cfg, vocab_size
         self.checkpoint_blocks = False  # gradient checkpointing: ~1/3 more compute for less activation memory
-        self.embed = nn.Embedding(vocab_size, cfg.d_model)
+        self.embed = Embedding(vocab_size, cfg.d_model)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.blocks = nn.ModuleList(make_block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
