@@ -2,10 +2,9 @@
 
 Why: Inductor writes the embedding's backward on a CPU as a scatter of every token's gradient row into the table with
 one atomic add per element. At the issue's shape (2048 tokens of d384, vocabulary 4096, bf16 on an EPYC Zen 5)
-that kernel took 2.7 ms a step, where ATen's `embedding_dense_backward`, whose threads each sum the tokens of their
-own rows of the table (no atomics), takes 0.4 ms (benchmarks/README.md). An opaque custom operator keeps Inductor from
-replacing it; the forward lookup stays traceable, so Inductor still fuses it with the first norm. Eager runs and GPUs
-keep nn.Embedding's own path.
+that kernel took 2.7 ms a step, where ATen's `embedding_dense_backward`, which eager runs, takes 0.4 ms
+(benchmarks/README.md). An opaque custom operator keeps Inductor from replacing it; the forward lookup stays
+traceable, so Inductor still fuses it with the first norm. Eager runs and GPUs keep nn.Embedding's own path.
 """
 
 from __future__ import annotations
