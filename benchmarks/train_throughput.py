@@ -119,7 +119,9 @@ def on_torch_path(step):
 
 def timed(steps: dict, device: torch.device, reps: int, count: int) -> tuple[dict[str, float], dict[str, float]]:
     """Each step's first two calls' seconds (kernel selection, compilation), then its best seconds per step over
-    `reps` rounds of `count` calls, the steps taking turns in each round so the machine's drift hits all alike."""
+    `reps` rounds of `count` calls, the steps taking turns in each round so the machine's drift hits all alike, in
+    reverse order every other round: in one process, of two compiled steps taking turns, the one that ran second
+    measured about 0.6% faster (benchmarks/README.md), so each takes both places."""
     first = {}
     for name, step in steps.items():
         started = time.perf_counter()
@@ -128,8 +130,9 @@ def timed(steps: dict, device: torch.device, reps: int, count: int) -> tuple[dic
         synchronize(device)
         first[name] = time.perf_counter() - started
     best = {name: float("inf") for name in steps}
-    for _ in range(reps):
-        for name, step in steps.items():
+    for rep in range(reps):
+        for name in list(steps) if rep % 2 == 0 else reversed(list(steps)):
+            step = steps[name]
             started = time.perf_counter()
             for _ in range(count):
                 step()
