@@ -60,6 +60,23 @@ def test_checkpoint_loader_allows_deepspeed_state_and_refuses_other_objects(tmp_
         engine.load(str(bad))
 
 
+def test_a_zero_stage_saved_by_a_python_that_pickles_enums_by_name_loads(tmp_path, monkeypatch):
+    """Python 3.11.0-3.11.4 pickle an Enum member as getattr(class, name), which the weights_only loader refuses;
+    DeepSpeed's optimizer checkpoints hold a ZeroStageEnum. That Python's pickling is put on the class here, and the
+    engine's setup must replace it with pickling by value (a clone on Debian 12's Python 3.11.2 failed every ZeRO
+    resume without it)."""
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    monkeypatch.setattr(ZeroStageEnum, "__reduce_ex__", lambda member, protocol: (getattr, (type(member), member.name)),
+                        raising=False)
+    assert b"getattr" in pickle.dumps(ZeroStageEnum.optimizer_states)  # as that Python writes it
+    engine = safe_checkpoint_engine()
+    saved = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"zero_stage": ZeroStageEnum.gradients, "state": torch.ones(2)}, saved)
+    loaded = engine.load(str(saved))
+    assert loaded["zero_stage"] is ZeroStageEnum.gradients and torch.equal(loaded["state"], torch.ones(2))
+
+
 def test_the_communication_backend_builds_no_shared_memory_op():
     """DeepSpeed's own builder, as its communication backend calls it at initialize: without the skip it compiles
     the op on a CPU (tens of seconds, a compiler needed) and returns the module; with it, nothing."""

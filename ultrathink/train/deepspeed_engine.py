@@ -69,6 +69,7 @@ def safe_checkpoint_engine():
     from deepspeed.utils.tensor_fragment import fragment_address
 
     allowed = [ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler]
+    pickle_by_value(ZeroStageEnum)
 
     class SafeTorchCheckpointEngine(TorchCheckpointEngine):
         def load(self, path: str, map_location=None):
@@ -76,6 +77,15 @@ def safe_checkpoint_engine():
                 return torch.load(path, map_location=map_location, weights_only=True)
 
     return SafeTorchCheckpointEngine()
+
+
+def pickle_by_value(enum_class: type) -> None:
+    """Pickle `enum_class`'s members as `enum_class(value)`, as Python 3.11.5 and later do for every Enum.
+
+    Python 3.11.0-3.11.4 (Debian 12's python3 is 3.11.2) pickle them as `getattr(enum_class, name)`. A weights_only
+    load refuses that call, and must: an allowed getattr would reach any attribute of anything. DeepSpeed's optimizer
+    checkpoints hold a ZeroStageEnum, so a run saved there could not resume (every ZeRO stage, on 2 ranks)."""
+    enum_class.__reduce_ex__ = lambda member, protocol: (type(member), (member.value,))
 
 
 def skip_shared_memory_op() -> None:
