@@ -69,7 +69,11 @@ def test_the_code_hash_moves_with_code_the_stage_imports_and_only_with_it(projec
     assert after_python != before
     with (project_copy / "ultrathink/model/csrc/cpu_kernels.cpp").open("a") as f:  # C++ the model builds and runs
         f.write("\n// an edit\n")
-    assert code_hash("tasks.train", project_copy) != after_python
+    after_native = code_hash("tasks.train", project_copy)
+    assert after_native != after_python
+    with (project_copy / "ultrathink/data/assets/reference.json.xz").open("ab") as f:  # the corpus a module ships
+        f.write(b"\0")
+    assert code_hash("tasks.train", project_copy) != after_native
 
 
 def test_the_closure_follows_function_level_and_relative_imports(project_copy):

@@ -1,12 +1,16 @@
 """load_corpus: every source gives one object "text" column with the exact texts, nulls kept, clear errors."""
 
 import json
+import sys
+import types
 
 import pandas as pd
 import pytest
 
 from ultrathink.config import DataConfig
+from ultrathink.data.reference import reference_topics
 from ultrathink.data.sources import CorpusError, load_corpus, split_paragraphs
+from ultrathink.finetune.pairs import embedded_pairs
 
 
 def test_embedded_corpus_is_the_python_reference_in_paragraphs():
@@ -18,6 +22,22 @@ def test_embedded_corpus_is_the_python_reference_in_paragraphs():
     assert all(isinstance(t, str) and t and t == t.strip() for t in texts)
     assert any("assignment" in t for t in texts)
     assert load_corpus(DataConfig(source="embedded"))["text"].tolist() == texts  # deterministic order
+
+
+def test_the_embedded_texts_are_the_snapshot_whatever_the_interpreter_ships(monkeypatch):
+    """The embedded corpus and fine-tuning pairs come from the snapshot shipped with the code, not from the running
+    CPython's pydoc_data, whose pages change between patch releases (17 of 79 differ from 3.11.2 to 3.11.7): an
+    interpreter with other pages gives the same texts."""
+    texts, pairs = load_corpus(DataConfig(source="embedded"))["text"].tolist(), embedded_pairs()
+    other_release = types.ModuleType("pydoc_data.topics")
+    other_release.topics = {"assert": 'The "assert" statement\n**********************\n\nWords of another release.'}
+    monkeypatch.setitem(sys.modules, "pydoc_data.topics", other_release)
+    assert load_corpus(DataConfig(source="embedded"))["text"].tolist() == texts
+    assert embedded_pairs() == pairs
+    assert texts[:2] == ['The "assert" statement\n**********************',
+                         "Assert statements are a convenient way to insert debugging assertions\ninto a program:"]
+    with pytest.raises(TypeError):  # one copy per process, shared by its callers: read-only
+        reference_topics()["assert"] = "edited"
 
 
 def test_max_samples_keeps_the_first_documents():

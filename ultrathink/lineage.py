@@ -48,15 +48,21 @@ def imported_names(name: str, path: Path):
             yield from (f"{module}.{alias.name}" for alias in node.names)
 
 
-def native_sources(path: Path) -> list[Path]:
-    """The compiled sources a module builds and runs: `csrc/<module>.*` beside it (cpu_kernels.py's C++)."""
-    return sorted(p for p in (path.parent / "csrc").glob(f"{path.stem}.*") if p.is_file())
+# Folders beside a module that hold files it reads as part of its code: `csrc/<module>.*`, the C++ it builds and
+# runs (cpu_kernels.py's), and `assets/<module>.*`, the data it ships (reference.py's snapshot of a corpus).
+COMPANION_FOLDERS = ("csrc", "assets")
+
+
+def companion_files(path: Path) -> list[Path]:
+    """The files the module at `path` reads as part of its code (COMPANION_FOLDERS)."""
+    return sorted(p for folder in COMPANION_FOLDERS for p in (path.parent / folder).glob(f"{path.stem}.*")
+                  if p.is_file())
 
 
 def module_closure(entry: str, root: Path = PROJECT_ROOT) -> list[Path]:
     """The source files a `python -m <entry>` process can execute from this project: the entry module and every
-    project module it imports, transitively (the packages' __init__ files included), and the native sources those
-    modules build (`native_sources`), as paths relative to root."""
+    project module it imports, transitively (the packages' __init__ files included), and the files those modules read
+    as part of their code (`companion_files`), as paths relative to root."""
     found, pending = {}, [entry]
     while pending:
         name = pending.pop()
@@ -70,7 +76,7 @@ def module_closure(entry: str, root: Path = PROJECT_ROOT) -> list[Path]:
                 pending.extend(imported_names(module, path))
     if entry not in found:
         raise ModuleNotFoundError(f"{entry}: no such module under {root}")
-    paths = {native for path in found.values() for native in native_sources(path)} | set(found.values())
+    paths = {file for path in found.values() for file in companion_files(path)} | set(found.values())
     return sorted(path.relative_to(root) for path in paths)
 
 

@@ -75,7 +75,7 @@ class MixtureSource(Section):
 class DataConfig(Section):
     source: str = Field(
         "embedded",
-        description="'embedded' (the Python language reference shipped with CPython), 'hf:NAME' (a Hugging Face "
+        description="'embedded' (the Python language reference, a snapshot shipped with the code), 'hf:NAME' (a Hugging Face "
         "dataset, from the local cache when offline), a directory written by save_to_disk, or a file or glob of "
         ".txt, .json, .jsonl, .parquet or .csv files (relative to the project root)",
     )

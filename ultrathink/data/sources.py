@@ -1,7 +1,8 @@
 """Where the raw corpus comes from: one DataFrame with a "text" column, whatever the source.
 
 A source is one string (`data.source` or a `data.mixture` entry's `source`):
-  embedded              the Python language reference shipped with CPython (no download)
+  embedded              the Python language reference (ultrathink.data.reference: a snapshot of CPython 3.11.7's, so
+                        the same text on any interpreter; no download)
   hf:NAME               a Hugging Face dataset: `datasets.load_dataset(NAME, data.hf_config, split=data.split)`;
                         offline, it must already be in the local Hugging Face cache
   a directory           a dataset saved with `save_to_disk` (read with `load_from_disk`)
@@ -28,6 +29,7 @@ import numpy as np
 import pandas as pd
 
 from ultrathink.config import DataConfig
+from ultrathink.data.reference import reference_topics
 from ultrathink.errors import StageError
 
 TEXT = "text"
@@ -148,9 +150,9 @@ def split_documents(text: str, unit: str) -> list[str]:
 
 
 def embedded_paragraphs() -> list[str]:
-    """The Python language reference shipped with CPython: a corpus that needs no download, in a fixed order."""
-    from pydoc_data.topics import topics
-
+    """The Python language reference (ultrathink.data.reference): a corpus that needs no download, in a fixed
+    order."""
+    topics = reference_topics()
     return [p for name in sorted(topics) for p in split_paragraphs(topics[name])]
 
 

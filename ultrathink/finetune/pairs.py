@@ -19,6 +19,7 @@ import pandas as pd
 import torch
 
 from ultrathink.config import FinetuneConfig
+from ultrathink.data.reference import reference_topics
 from ultrathink.errors import StageError
 from ultrathink.model.chat import ROLES, assistant, user
 from ultrathink.scoring import chat_rows
@@ -98,10 +99,9 @@ def chat_problem(messages) -> str | None:
 
 
 def embedded_pairs() -> list[dict]:
-    """Questions about the sections of the Python language reference (pydoc_data, shipped with CPython), each
-    answered with the section's first prose sentences; two phrasings per section."""
-    from pydoc_data.topics import topics
-
+    """Questions about the sections of the Python language reference (ultrathink.data.reference), each answered
+    with the section's first prose sentences; two phrasings per section."""
+    topics = reference_topics()
     rows = []
     sections = [s for name in sorted(topics) for s in reference_sections(topics[name])]
     for i, (title, answer) in enumerate(sections):
