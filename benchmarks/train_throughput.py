@@ -12,7 +12,7 @@ compiled.
 
     .venv/bin/python benchmarks/train_throughput.py [--steps 6] [--reps 5] [--no-compile] [--shape 384x6]
         [--batch 8] [--vocab 4096] [--seq 256] [--device auto] [--bare] [--profile] [--model key=value ...]
-        [--torch-path]
+        [--torch-path] [--alike]
 
 --bare adds rows of UltraThink's model in the references' loop (no clipping, no loss read back each step), eager
 and compiled: what the Trainer's step costs beyond the model's. --model adds an UltraThink row with one model key
@@ -21,7 +21,9 @@ changed (e.g. --model qk_norm=true --model dropout=0.1): what an architecture op
 the fused CPU kernels (ultrathink/model/cpu_kernels.py): what the kernels buy, side by side. --profile prints, after
 the timing, each row's top kernels over two steps (where the difference goes) and, for ours on a CPU, the
 milliseconds a step spends in matrix multiplies: with everything else free, the best ratio to GPT-2 any fusion of
-the rest could reach.
+the rest could reach. --alike adds a GPT-2 row compiled with the Inductor options our Trainer compiles with on the
+device (engine.COMPILE_OPTIONS; on a CPU its C++ wrapper): what those options alone give a model, so that the goal's
+ratio, taken against GPT-2 as nanoGPT compiles it, can be read beside one at equal options.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from ultrathink.device import is_cuda, resolve_device, synchronize  # noqa: E402
 from ultrathink.model import UltraThink, cpu_kernels  # noqa: E402
 from ultrathink.model.kernels import AttentionKernel, label  # noqa: E402
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint  # noqa: E402
-from ultrathink.train.engine import autocast, build_engine  # noqa: E402
+from ultrathink.train.engine import COMPILE_OPTIONS, autocast, build_engine  # noqa: E402
 from ultrathink.train.loader import TokenWindows  # noqa: E402
 from ultrathink.train.precision import keep_freed_host_memory, peak_flops, resolve_precision  # noqa: E402
 from ultrathink.train.distributed import Distributed  # noqa: E402
@@ -92,6 +94,7 @@ def gpt2_goal(row: str) -> tuple[str, float]:
     return ("gpt2_ref+compile", 1.25) if row.endswith("+compile") else ("gpt2_ref", 1.0)
 
 
+ALIKE = "gpt2_ref+compile[alike]"  # --alike: GPT-2 compiled with our Trainer's Inductor options
 GRAD_CLIP = 1.0  # nanoGPT's train.py (grad_clip), HF's Trainer (max_grad_norm) and ours (train.grad_clip) alike
 
 
@@ -185,6 +188,8 @@ def main() -> None:
                         help="key=value: one more UltraThink row with this model key (e.g. dropout=0.1), eager")
     parser.add_argument("--unclipped", action="store_true",
                         help="one more GPT-2 row, eager, without gradient clipping (the loop before 2026-11-27)")
+    parser.add_argument("--alike", action="store_true",
+                        help="one more GPT-2 row compiled with our Trainer's Inductor options (engine.COMPILE_OPTIONS)")
     parser.add_argument("--torch-path", action="store_true",
                         help="one more UltraThink row, eager, its norms and rotary embeddings on torch's operators")
     args = parser.parse_args()
@@ -235,6 +240,9 @@ def main() -> None:
             compiled = torch.compile(gpt)
             steps["gpt2_ref+compile"] = reference_step(gpt, gpt.optimizer(1e-3), lambda: compiled(x, x), precision,
                                                        device)
+            if args.alike:
+                alike = torch.compile(gpt, options=COMPILE_OPTIONS.get(device.type))
+                steps[ALIKE] = reference_step(gpt, gpt.optimizer(1e-3), lambda: alike(x, x), precision, device)
             if args.bare:
                 bare_compiled = torch.compile(bare)
                 steps["ultrathink_bare+compile"] = reference_step(
@@ -257,7 +265,8 @@ def main() -> None:
     # Issue 27's goals (gpt2_goal); an earlier issue's: 1.5× HF Llama.
     for ours in [n for n in rate if n.startswith("ultrathink")]:
         ref, goal = gpt2_goal(ours)
-        goals = {"gpt2_ref": None, "gpt2_ref[no clip]": None, "gpt2_ref+compile": None, "hf_llama": 1.5, ref: goal}
+        goals = {"gpt2_ref": None, "gpt2_ref[no clip]": None, "gpt2_ref+compile": None, ALIKE: None, "hf_llama": 1.5,
+                 ref: goal}
         for ref, goal in goals.items():
             if ref in rate:
                 print(f"  {ours} / {ref}: {rate[ours] / rate[ref]:.2f}x" + (f" (goal ≥ {goal}x)" if goal else ""))
