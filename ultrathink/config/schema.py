@@ -75,8 +75,8 @@ class MixtureSource(Section):
 class DataConfig(Section):
     source: str = Field(
         "embedded",
-        description="'embedded' (the Python language reference, a snapshot shipped with the code), 'hf:NAME' (a Hugging Face "
-        "dataset, from the local cache when offline), a directory written by save_to_disk, or a file or glob of "
+        description="'embedded' (the Python language reference, a snapshot shipped with the code), 'hf:NAME' (a "
+        "Hugging Face dataset, from the local cache when offline), a directory written by save_to_disk, or a file or glob of "
         ".txt, .json, .jsonl, .parquet or .csv files (relative to the project root)",
     )
     text_column: str = Field("text", min_length=1, description="column holding the text in dataset sources")

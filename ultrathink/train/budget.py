@@ -140,6 +140,8 @@ def _shared_temp_dir(dist: Distributed):
 # train.compile auto compiles a run whose eager training is measured to take at least this long, by device type
 # (benchmarks/README.md). A CPU: torch.compile costs 34-40 s on 2 cores for these models with an empty inductor
 # cache and makes the step 1.1-1.45× faster, least at the larger shapes long budgets pick: it pays after ~110-440 s.
+# With Inductor's C++ wrapper (engine.COMPILE_OPTIONS) the compile took 10-20 s longer for a step ~4.5% faster
+# still (measured at d384 × 6): up to ~65 s for 1.15-1.5×, paying after ~130-500 s.
 # A GPU (an H200, its host's 16 cores compiling): 14-38 s, and the step 1.6-1.9× faster: it pays after ~40-80 s;
 # 120 s is 1.5× the slowest. Any other device type goes by the CPU's.
 COMPILE_PAYS_AFTER_SECONDS = {"cpu": 600, "cuda": 120}
