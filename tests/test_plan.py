@@ -6,8 +6,11 @@ import logging
 
 import numpy as np
 import pytest
+from torch._inductor import config as inductor_config
 
 from ultrathink.config import ModelConfig, TrainConfig
+from ultrathink.errors import StageError
+from ultrathink.train.budget import Probe
 from ultrathink.train import plan as plan_module
 from ultrathink.train.plan import PlanBook, cpu_isa, machine_class, plan_run
 
@@ -107,6 +110,40 @@ def test_another_machine_class_decides_for_itself_and_says_so(tmp_path, caplog):
     (line,) = [r.message for r in caplog.records if "is not the class" in r.message]
     assert elsewhere in line and here.plan.machine in line and "The weights will differ" in line
     assert set(json.loads(book.path.read_text())) == {elsewhere, here.plan.machine}  # recorded beside it
+
+
+def test_a_cpu_without_a_compiler_is_a_class_of_its_own_that_plans_eagerly_and_refuses_compile_true(tmp_path,
+                                                                                                    caplog):
+    """Inductor builds a compiled CPU step with a C++ compiler; a slim container has none. There train.compile auto
+    trains eagerly even where compiling would pay (and says why), a plan recorded where a compiler was (which
+    compiles) is not read back, and train.compile true stops before any measurement, naming what is missing."""
+    book = PlanBook(tmp_path / "plans/train.json")
+    # 20 minutes of 1-second steps: on a CPU the compile pays after 600 s of eager steps (budget.py).
+    auto = TRAIN.model_copy(update={"max_steps": None, "budget": "20min", "precision": "fp32", "attention": "torch"})
+    slow_step = Probe(step_seconds=1.0, first_steps_extra=1.0, eval_seconds=0.5, save_seconds=0.4, seconds=2.0)
+
+    def plan(train, probe=lambda model, train, kernel: slow_step):
+        return plan_run(MODEL, train, 64, tokens(4000), tokens(600), "cpu", 1, book, probe)
+
+    with_compiler = plan(auto)
+    assert with_compiler.measured and with_compiler.plan.compile
+    missing = tmp_path / "no-such-g++"
+    with inductor_config.patch({"cpp.cxx": (None, str(missing))}), \
+            caplog.at_level(logging.WARNING, logger="ultrathink.train.budget"):
+        assert machine_class("cpu") == f"{with_compiler.plan.machine}/no C++ compiler"
+        without = plan(auto)
+        assert without.measured and not without.plan.compile and without.plan.machine == machine_class("cpu")
+        assert without.plan.max_steps == with_compiler.plan.max_steps and list(without.others) == \
+            [with_compiler.plan.machine]
+        (line,) = [r.message for r in caplog.records if "train.compile auto" in r.message]
+        assert "would pay" in line and str(missing) in line and "training eagerly" in line
+        with pytest.raises(StageError, match=r"train.compile true: .*no working C\+\+ compiler \(.*no-such-g\+\+"):
+            plan(auto.model_copy(update={"compile": True}),
+                 probe=lambda *_: pytest.fail("a run that cannot compile was measured"))
+    # Back with a compiler: its own class's plan, read back, still compiles.
+    again = plan(auto, probe=lambda *_: pytest.fail("the recorded plan was measured again"))
+    assert not again.measured and again.plan == with_compiler.plan
+    assert set(json.loads(book.path.read_text())) == {with_compiler.plan.machine, without.plan.machine}
 
 
 def test_an_unreadable_book_is_named(tmp_path):

@@ -74,6 +74,24 @@ def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> flo
 COMPILE_OPTIONS = {"cpu": {"cpp_wrapper": True}}
 
 
+def compiler_missing(device: str) -> str | None:
+    """Why torch.compile cannot build a step on `device` here, or None. On a CPU Inductor writes the step as C++ and
+    builds it with the compiler its config names ($CXX, else g++), found by Inductor's own search: without one the
+    first compiled step fails (a slim container image has none). GPUs are not checked (their Triton kernels need
+    a C compiler for the launcher, not tried here)."""
+    if device_type(device) != "cpu":
+        return None
+    from torch._inductor import config
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    try:
+        get_cpp_compiler()
+    except InvalidCxxCompiler:
+        return f"no working C++ compiler ({', '.join(c for c in config.cpp.cxx if c)} tried; set CXX to one)"
+    return None
+
+
 class TorchEngine:
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, dist: Distributed):
         self.model, self.cfg, self.dist = model, cfg, dist

@@ -30,14 +30,14 @@ from filelock import FileLock
 
 from ultrathink.config import Budget, ModelConfig, TrainConfig
 from ultrathink.config.fingerprint import TRAIN_BOOKKEEPING
-from ultrathink.device import is_cuda, release_device_memory
+from ultrathink.device import device_type, is_cuda, release_device_memory
 from ultrathink.errors import StageError
 from ultrathink.hashing import json_hash
 from ultrathink.io import atomic_write_json
 from ultrathink.model.kernels import AttentionKernel, choose_attention, fixed_kernel, label
 from ultrathink.train.budget import Probe, compile_pays, probe_shape, steps_for, training_seconds, warmup_for
 from ultrathink.train import sizing
-from ultrathink.train.engine import autocast_dtype
+from ultrathink.train.engine import autocast_dtype, compiler_missing
 from ultrathink.train.precision import cpu_peak_gflops, peak_flops
 from ultrathink.train.sizing import Sizing, round_figures
 
@@ -77,12 +77,15 @@ def cpu_isa(flags: set[str]) -> str:
 
 def machine_class(device: str) -> str:
     """`cpu/AuthenticAMD/avx512_bf16/2 threads/torch 2.13` or `cuda/NVIDIA H100 80GB HBM3/torch 2.13`: machines of
-    one class compute the same bits from the same plan."""
+    one class compute the same bits from the same plan. A CPU without a C++ compiler is a class of its own
+    (`.../torch 2.13/no C++ compiler`): it can build no compiled step, so a plan recorded where a compiler was
+    (which may compile) is not its plan."""
     version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
     if is_cuda(device):
         return f"cuda/{torch.cuda.get_device_name(device)}/torch {version}/cuda {torch.version.cuda}"
     vendor, flags = _cpu_flags()
-    return f"cpu/{vendor}/{cpu_isa(flags)}/{torch.get_num_threads()} threads/torch {version}"
+    without = "/no C++ compiler" if compiler_missing(device) else ""
+    return f"cpu/{vendor}/{cpu_isa(flags)}/{torch.get_num_threads()} threads/torch {version}{without}"
 
 
 # ---- what a plan holds -------------------------------------------------------------------------------------------
@@ -333,6 +336,10 @@ def plan_run(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, de
              book: PlanBook | None = None, probe: Callable[..., Probe] | None = None) -> Decided:
     """The one planning step: read this configuration's plan for this machine class from `book`, or decide it
     (measuring what must be measured) and record it there. Without a book (a probe, a benchmark) it decides."""
+    missing = compiler_missing(device) if train_cfg.compile is True else None
+    if missing:
+        raise StageError(f"train.compile true: torch.compile cannot build a step on this {device_type(device)}: "
+                         f"{missing}. Install one, or set train.compile auto (it then trains eagerly) or false")
     machine = machine_class(device)
     key = configuration_key(model_cfg, train_cfg, vocab_size, len(train_tokens), len(val_tokens), world_size)
     gflops = (cpu_matmul_gflops(book, machine, device, peak_dtypes(train_cfg.precision)) if not is_cuda(device)
