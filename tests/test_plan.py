@@ -3,6 +3,9 @@ another class decides for itself and says so in one line; a book that cannot be 
 
 import json
 import logging
+import re
+import sysconfig
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -112,11 +115,32 @@ def test_another_machine_class_decides_for_itself_and_says_so(tmp_path, caplog):
     assert set(json.loads(book.path.read_text())) == {elsewhere, here.plan.machine}  # recorded beside it
 
 
-def test_a_cpu_without_a_compiler_is_a_class_of_its_own_that_plans_eagerly_and_refuses_compile_true(tmp_path,
-                                                                                                    caplog):
-    """Inductor builds a compiled CPU step with a C++ compiler; a slim container has none. There train.compile auto
-    trains eagerly even where compiling would pay (and says why), a plan recorded where a compiler was (which
-    compiles) is not read back, and train.compile true stops before any measurement, naming what is missing."""
+def no_compiler(tmp_path):
+    """Inductor's compiler setting pointed at a file that is not there: a slim container's CPU."""
+    return (inductor_config.patch({"cpp.cxx": (None, str(tmp_path / "no-such-g++"))}),
+            r"no working C\+\+ compiler \(.*no-such-g\+\+ tried")
+
+
+def no_python_headers(tmp_path):
+    """This Python's include folders, as Inductor reads them from sysconfig, without Python.h: a system Python
+    without its development package."""
+    get_path = sysconfig.get_path
+
+    def headerless(name, *args, **kwargs):
+        return str(tmp_path) if name == "include" else get_path(name, *args, **kwargs)
+
+    return (mock.patch.object(sysconfig, "get_path", headerless),
+            rf"no Python headers \(Python.h is in none of {re.escape(str(tmp_path))}")
+
+
+@pytest.mark.parametrize("blocked", [no_compiler, no_python_headers])
+def test_a_cpu_that_cannot_compile_is_a_class_of_its_own_that_plans_eagerly_and_refuses_compile_true(
+        blocked, tmp_path, caplog):
+    """Inductor builds a compiled CPU step with a C++ compiler against the Python headers: a slim container has no
+    compiler, a system Python without its development package no headers (torch.compile then fails at its first
+    step). There train.compile auto trains eagerly even where compiling would pay (and says why), a plan recorded
+    where a step could compile is not read back, and train.compile true stops before any measurement, naming what
+    is missing."""
     book = PlanBook(tmp_path / "plans/train.json")
     # 20 minutes of 1-second steps: on a CPU the compile pays after 600 s of eager steps (budget.py).
     auto = TRAIN.model_copy(update={"max_steps": None, "budget": "20min", "precision": "fp32", "attention": "torch"})
@@ -127,20 +151,20 @@ def test_a_cpu_without_a_compiler_is_a_class_of_its_own_that_plans_eagerly_and_r
 
     with_compiler = plan(auto)
     assert with_compiler.measured and with_compiler.plan.compile
-    missing = tmp_path / "no-such-g++"
-    with inductor_config.patch({"cpp.cxx": (None, str(missing))}), \
-            caplog.at_level(logging.WARNING, logger="ultrathink.train.budget"):
-        assert machine_class("cpu") == f"{with_compiler.plan.machine}/no C++ compiler"
+    blocking, reason = blocked(tmp_path)
+    with blocking, caplog.at_level(logging.WARNING, logger="ultrathink.train.budget"):
+        assert machine_class("cpu") == f"{with_compiler.plan.machine}/no torch.compile"
         without = plan(auto)
         assert without.measured and not without.plan.compile and without.plan.machine == machine_class("cpu")
         assert without.plan.max_steps == with_compiler.plan.max_steps and list(without.others) == \
             [with_compiler.plan.machine]
         (line,) = [r.message for r in caplog.records if "train.compile auto" in r.message]
-        assert "would pay" in line and str(missing) in line and "training eagerly" in line
-        with pytest.raises(StageError, match=r"train.compile true: .*no working C\+\+ compiler \(.*no-such-g\+\+"):
+        assert re.search(f"would pay .*{reason}.*training eagerly", line), line
+        with pytest.raises(StageError, match=f"train.compile true: torch.compile cannot build a step on this cpu: "
+                                             f"{reason}"):
             plan(auto.model_copy(update={"compile": True}),
                  probe=lambda *_: pytest.fail("a run that cannot compile was measured"))
-    # Back with a compiler: its own class's plan, read back, still compiles.
+    # Able to compile again: its own class's plan, read back, still compiles.
     again = plan(auto, probe=lambda *_: pytest.fail("the recorded plan was measured again"))
     assert not again.measured and again.plan == with_compiler.plan
     assert set(json.loads(book.path.read_text())) == {with_compiler.plan.machine, without.plan.machine}

@@ -412,8 +412,9 @@ class TrainConfig(Section):
     compile: bool | Literal["auto"] = Field(
         "auto", description="torch.compile the model for training (the first steps pay the compile); auto: only "
         "with a train.budget whose measured eager run takes 10 minutes or more (2 on a GPU), for a model without "
-        "routing variants, and on a CPU only with a C++ compiler ($CXX or g++), which Inductor builds the step "
-        "with; true without one is refused before training (ultrathink/train/budget.py: compile_pays)")
+        "routing variants, and on a CPU only where Inductor can build the step (a C++ compiler, $CXX or g++, and "
+        "the Python headers); true without them is refused before training (ultrathink/train/budget.py: "
+        "compile_pays)")
     backend: Literal["auto", "ddp", "fsdp", "deepspeed"] = Field(
         "auto", description="under torchrun: ddp (DistributedDataParallel), fsdp (FSDP2 fully_shard) or deepspeed "
         "(ZeRO, see train.deepspeed; also in one process); auto = ddp under torchrun, plain in one process")

@@ -26,7 +26,7 @@ from ultrathink.device import device_type, is_cuda, synchronize
 from ultrathink.model import UltraThink
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.distributed import Distributed
-from ultrathink.train.engine import build_engine, compiler_missing
+from ultrathink.train.engine import build_engine, cannot_compile
 from ultrathink.train.loader import TokenWindows
 from ultrathink.train.trainer import Trainer, ready_model
 
@@ -150,13 +150,13 @@ COMPILE_PAYS_AFTER_SECONDS = {"cpu": 600, "cuda": 120}
 def compile_pays(train_cfg, model_cfg, max_steps: int, measured: Probe | None, device: str) -> bool:
     """train.compile: true and false are kept; auto compiles a dense model (routing variants change shapes every
     step, which would recompile) whose measured eager run on `device` is long enough for the compile to pay, where
-    a compiled step can be built (engine.compiler_missing; else it says why it stays eager)."""
+    a compiled step can be built (engine.cannot_compile; else it says why it stays eager)."""
     if train_cfg.compile != "auto":
         return train_cfg.compile
     pays_after = COMPILE_PAYS_AFTER_SECONDS.get(device_type(device), COMPILE_PAYS_AFTER_SECONDS["cpu"])
     pays = (measured is not None and not model_cfg.variants() and train_cfg.backend != "deepspeed"
             and max_steps * measured.step_seconds >= pays_after)
-    missing = compiler_missing(device) if pays else None
+    missing = cannot_compile(device) if pays else None
     if missing:
         log.warning("train.compile auto: compiling would pay (%.0f s of eager steps), but %s: training eagerly",
                     max_steps * measured.step_seconds, missing)

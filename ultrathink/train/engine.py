@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from pathlib import Path
 from typing import Protocol
 
@@ -74,13 +75,29 @@ def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> flo
 COMPILE_OPTIONS = {"cpu": {"cpp_wrapper": True}}
 
 
-def compiler_missing(device: str) -> str | None:
+def cannot_compile(device: str) -> str | None:
     """Why torch.compile cannot build a step on `device` here, or None. On a CPU Inductor writes the step as C++ and
-    builds it with the compiler its config names ($CXX, else g++), found by Inductor's own search: without one the
-    first compiled step fails (a slim container image has none). GPUs are not checked (their Triton kernels need
-    a C compiler for the launcher, not tried here)."""
+    builds it with the compiler its config names ($CXX, else g++), found by Inductor's own search, against the
+    Python headers (each kernel gets Python bindings): without either the first compiled step fails. A slim container
+    image has no compiler; a system Python without its development package has no headers. GPUs are not checked
+    (their Triton kernels need a C compiler for the launcher, not tried here)."""
     if device_type(device) != "cpu":
         return None
+    from torch._inductor import config
+    from torch._inductor.cpp_builder import _get_python_related_args, get_cpp_compiler
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    try:
+        get_cpp_compiler()
+    except InvalidCxxCompiler:
+        return f"no working C++ compiler ({', '.join(c for c in config.cpp.cxx if c)} tried; set CXX to one)"
+    with warnings.catch_warnings():  # Inductor warns of missing headers; the reason below says it
+        warnings.simplefilter("ignore")
+        include_dirs = _get_python_related_args()[0]
+    if not any((Path(folder) / "Python.h").is_file() for folder in include_dirs):
+        return (f"no Python headers (Python.h is in none of {', '.join(dict.fromkeys(include_dirs))}: install this "
+                f"Python's development package)")
+    return None
     from torch._inductor import config
     from torch._inductor.cpp_builder import get_cpp_compiler
     from torch._inductor.exc import InvalidCxxCompiler

@@ -37,7 +37,7 @@ from ultrathink.io import atomic_write_json
 from ultrathink.model.kernels import AttentionKernel, choose_attention, fixed_kernel, label
 from ultrathink.train.budget import Probe, compile_pays, probe_shape, steps_for, training_seconds, warmup_for
 from ultrathink.train import sizing
-from ultrathink.train.engine import autocast_dtype, compiler_missing
+from ultrathink.train.engine import autocast_dtype, cannot_compile
 from ultrathink.train.precision import cpu_peak_gflops, peak_flops
 from ultrathink.train.sizing import Sizing, round_figures
 
@@ -77,14 +77,14 @@ def cpu_isa(flags: set[str]) -> str:
 
 def machine_class(device: str) -> str:
     """`cpu/AuthenticAMD/avx512_bf16/2 threads/torch 2.13` or `cuda/NVIDIA H100 80GB HBM3/torch 2.13`: machines of
-    one class compute the same bits from the same plan. A CPU without a C++ compiler is a class of its own
-    (`.../torch 2.13/no C++ compiler`): it can build no compiled step, so a plan recorded where a compiler was
-    (which may compile) is not its plan."""
+    one class compute the same bits from the same plan. A CPU where torch.compile cannot build a step (no C++
+    compiler or no Python headers: engine.cannot_compile) is a class of its own (`.../torch 2.13/no torch.compile`),
+    so a plan recorded where it could (which may compile) is not its plan."""
     version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
     if is_cuda(device):
         return f"cuda/{torch.cuda.get_device_name(device)}/torch {version}/cuda {torch.version.cuda}"
     vendor, flags = _cpu_flags()
-    without = "/no C++ compiler" if compiler_missing(device) else ""
+    without = "/no torch.compile" if cannot_compile(device) else ""
     return f"cpu/{vendor}/{cpu_isa(flags)}/{torch.get_num_threads()} threads/torch {version}{without}"
 
 
@@ -336,10 +336,10 @@ def plan_run(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, de
              book: PlanBook | None = None, probe: Callable[..., Probe] | None = None) -> Decided:
     """The one planning step: read this configuration's plan for this machine class from `book`, or decide it
     (measuring what must be measured) and record it there. Without a book (a probe, a benchmark) it decides."""
-    missing = compiler_missing(device) if train_cfg.compile is True else None
-    if missing:
+    missing = cannot_compile(device) if train_cfg.compile is True else None
+    if missing:  # before anything is measured or written
         raise StageError(f"train.compile true: torch.compile cannot build a step on this {device_type(device)}: "
-                         f"{missing}. Install one, or set train.compile auto (it then trains eagerly) or false")
+                         f"{missing}; or set train.compile auto (it then trains eagerly) or false")
     machine = machine_class(device)
     key = configuration_key(model_cfg, train_cfg, vocab_size, len(train_tokens), len(val_tokens), world_size)
     gflops = (cpu_matmul_gflops(book, machine, device, peak_dtypes(train_cfg.precision)) if not is_cuda(device)
