@@ -98,15 +98,6 @@ def cannot_compile(device: str) -> str | None:
         return (f"no Python headers (Python.h is in none of {', '.join(dict.fromkeys(include_dirs))}: install this "
                 f"Python's development package)")
     return None
-    from torch._inductor import config
-    from torch._inductor.cpp_builder import get_cpp_compiler
-    from torch._inductor.exc import InvalidCxxCompiler
-
-    try:
-        get_cpp_compiler()
-    except InvalidCxxCompiler:
-        return f"no working C++ compiler ({', '.join(c for c in config.cpp.cxx if c)} tried; set CXX to one)"
-    return None
 
 
 class TorchEngine:
