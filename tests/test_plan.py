@@ -121,6 +121,13 @@ def no_compiler(tmp_path):
             r"no working C\+\+ compiler \(.*no-such-g\+\+ tried")
 
 
+def no_compiler_named_alone(tmp_path):
+    """The same, the setting one name rather than a list to search (as a user may set it)."""
+    missing = str(tmp_path / "no-such-clang++")
+    return (inductor_config.patch({"cpp.cxx": missing}),
+            rf"no working C\+\+ compiler \({re.escape(missing)} tried")
+
+
 def no_python_headers(tmp_path):
     """This Python's include folders, as Inductor reads them from sysconfig, without Python.h: a system Python
     without its development package."""
@@ -133,7 +140,7 @@ def no_python_headers(tmp_path):
             rf"no Python headers \(Python.h is in none of {re.escape(str(tmp_path))}")
 
 
-@pytest.mark.parametrize("blocked", [no_compiler, no_python_headers])
+@pytest.mark.parametrize("blocked", [no_compiler, no_compiler_named_alone, no_python_headers])
 def test_a_cpu_that_cannot_compile_is_a_class_of_its_own_that_plans_eagerly_and_refuses_compile_true(
         blocked, tmp_path, caplog):
     """Inductor builds a compiled CPU step with a C++ compiler against the Python headers: a slim container has no

@@ -89,8 +89,9 @@ def cannot_compile(device: str) -> str | None:
 
     try:
         get_cpp_compiler()
-    except InvalidCxxCompiler:
-        return f"no working C++ compiler ({', '.join(c for c in config.cpp.cxx if c)} tried; set CXX to one)"
+    except InvalidCxxCompiler:  # cpp.cxx is one name or a list to search, as get_cpp_compiler reads it
+        names = config.cpp.cxx if isinstance(config.cpp.cxx, (list, tuple)) else (config.cpp.cxx,)
+        return f"no working C++ compiler ({', '.join(c for c in names if c)} tried; set CXX to one)"
     with warnings.catch_warnings():  # Inductor warns of missing headers; the reason below says it
         warnings.simplefilter("ignore")
         include_dirs = _get_python_related_args()[0]
