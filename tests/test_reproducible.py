@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e_helpers import copy_project, sh
+from e2e_helpers import TINY, copy_project, sh
+from ultrathink.model.kernels import candidates
+from ultrathink.train.engine import autocast_dtype
 
 pytestmark = [pytest.mark.slow, pytest.mark.spawns]
 
@@ -66,11 +68,17 @@ def test_deleting_the_recorded_plan_measures_again(trained_project, tmp_path):
     entry = json.loads((project / "plans/train.json").read_text())[machine]
     (project / "plans/train.json").unlink()
     again = sh([sys.executable, "-m", "tasks.train", "-S", "train.resume=false"], project)
-    assert f"(measured on {machine})" in again.stderr and "attention auto →" in again.stderr
+    assert f"(measured on {machine})" in again.stderr and "precision auto →" in again.stderr
     remade = json.loads((project / "plans/train.json").read_text())
     (key,) = remade[machine]["plans"]  # this configuration's plan again (the book also had the shipped default's)
     assert key in entry["plans"]
     assert remade[machine]["matmul_gflops"].keys() == {"fp32", "bf16"}
+    # Attention is timed again where this machine gives it a choice: under bf16, not in fp32 with attention dropout
+    # (an AVX2-only CPU), where torch's kernel is the only candidate.
+    precision = remade[machine]["plans"][key]["precision"]
+    options = candidates("auto", "cpu", autocast_dtype(precision, "cpu"), TINY["model"]["dropout"])
+    assert ("attention auto →" in again.stderr) == (len(options) > 1), (precision, options)
+    assert bool(remade[machine]["plans"][key]["attention_ms"]) == (len(options) > 1)
 
 
 def test_python_bytecode_beside_the_code_leaves_the_pipeline_up_to_date(trained_project, tmp_path):
