@@ -161,6 +161,18 @@ def test_the_train_stage_imports_neither_transformers_nor_mlflow():
 
 
 @pytest.mark.spawns
+def test_the_promote_stages_import_transformers_only_to_export_a_new_version():
+    """Only registering a new version exports it for transformers (registry.promote.log_hf_export); a promote that
+    registers nothing new (a retry, weights this run registered before) and `ultrathink registry`'s task guard never
+    need it, and it is about 3 s of such a process on a slow CPU."""
+    probe = ("import sys, ultrathink.stages.promote, ultrathink.stages.promote_finetuned, "
+             "ultrathink.stages.promote_aligned, ultrathink.registry.promote; "
+             "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'mlflow'}))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "['mlflow']"
+
+
+@pytest.mark.spawns
 def test_a_warm_start_from_a_directory_imports_no_mlflow(tmp_path):
     """train.init_from or finetune.init_from naming a directory is resolved on every rank; only a registry name
     needs MLflow (pinning its alias), so a directory's ranks never import it."""

@@ -26,7 +26,6 @@ from ultrathink import downstream
 from ultrathink.config import EvaluateConfig, RegistryConfig
 from ultrathink.evaluate import Yardstick
 from ultrathink.io import atomic_write_json
-from ultrathink.model.export import ExportError, export_hf
 from ultrathink.model.model import WEIGHTS_FILE
 from ultrathink.registry.champion import CHALLENGER, CHAMPION, YARDSTICK_ARTIFACT, Guard, actor, decide_and_move
 from ultrathink.registry.models import resolve_model_files
@@ -109,6 +108,10 @@ def _ensure_run_metrics(metrics: dict[str, float]) -> None:
 def log_hf_export(model_dir: Path, tokenizer_dir: Path) -> str:
     """Export the model to a transformers directory and log it in the active run as `hf_export`. Returns its URI,
     or why this architecture has no transformers equivalent (then nothing is logged)."""
+    # Imported here, not at the top: transformers is about 3 s of a promote that registers nothing new (a retry, or
+    # weights this run has registered before) and of `ultrathink registry`'s task guard, which import this module.
+    from ultrathink.model.export import ExportError, export_hf
+
     with tempfile.TemporaryDirectory() as tmp:
         try:
             out = export_hf(model_dir, tokenizer_dir, Path(tmp) / "hf")
