@@ -198,6 +198,14 @@ def test_export_takes_a_checkpoint_or_a_registered_version(read_only, tmp_path):
         with torch.no_grad():
             exported = AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
             assert (exported - expected).abs().max() <= 1e-4, model
+    # The promote stage logged the same export with the version it registered (registry.promote.log_hf_export).
+    import mlflow
+
+    champion = client_for(project).get_model_version_by_alias("ultrathink", "champion")
+    logged = mlflow.artifacts.download_artifacts(champion.tags["hf_export"], dst_path=str(tmp_path / "logged"))
+    with torch.no_grad():
+        exported = AutoModelForCausalLM.from_pretrained(logged).eval()(ids).logits
+        assert (exported - logits).abs().max() <= 1e-4
     from hf_models import tokenizer
 
     tokenizer().save_pretrained(tmp_path / "other")  # a checkpoint read with another tokenizer than its own
