@@ -164,12 +164,14 @@ def test_the_train_stage_imports_neither_transformers_nor_mlflow():
 def test_the_promote_stages_import_transformers_only_to_export_a_new_version():
     """Only registering a new version exports it for transformers (registry.promote.log_hf_export); a promote that
     registers nothing new (a retry, weights this run registered before) and `ultrathink registry`'s task guard never
-    need it, and it is about 3 s of such a process on a slow CPU."""
+    need it, and it is about 3 s of such a process on a slow CPU. Nor does promoting read checkpoints: the sharded
+    checkpoint code (torch.distributed.checkpoint, 0.7 s more) stays out too."""
     probe = ("import sys, ultrathink.stages.promote, ultrathink.stages.promote_finetuned, "
              "ultrathink.stages.promote_aligned, ultrathink.registry.promote; "
-             "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'mlflow'}))")
+             "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'mlflow'}), "
+             "'torch.distributed.checkpoint' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", probe], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "['mlflow']"
+    assert done.stdout.strip() == "['mlflow'] False"
 
 
 @pytest.mark.spawns

@@ -16,6 +16,7 @@ PROJECT_PACKAGES = ("ultrathink", "tasks")
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # The stage whose module closure is the code that determines a pretrained model's weights.
 TRAINING_CODE = "ultrathink.stages.train"
+LINEAGE_FILE = "lineage.json"  # in a model dir: tokenizer hash, fingerprint and parent of the run that wrote it
 
 
 def git_commit(root: str | Path = ".") -> str:

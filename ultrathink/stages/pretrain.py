@@ -14,7 +14,7 @@ from ultrathink.config.fingerprint import training_params_hash
 from ultrathink.hashing import directory_hash, file_sha256, json_hash
 from ultrathink.data.tokens import load_split, read_meta
 from ultrathink.io import atomic_dir, atomic_write_json
-from ultrathink.lineage import TRAINING_CODE, code_hash, lineage_tags
+from ultrathink.lineage import LINEAGE_FILE, TRAINING_CODE, code_hash, lineage_tags
 from ultrathink.model import UltraThink
 from ultrathink.model.model import WEIGHTS_FILE
 from ultrathink.registry.models import is_mlflow_uri, resolve_named_model
@@ -28,8 +28,8 @@ from ultrathink.train.loader import ContextWarmup, TokenWindows
 from ultrathink.train.plan import Decided, PlanBook, RankProbes, apply_plan, plan_on_main, plan_run
 from ultrathink.train.precision import keep_freed_host_memory, use_deterministic_kernels
 from ultrathink.train.trainer import Deadline, Trainer, ready_model
-from ultrathink.train.warm_start import (LINEAGE_FILE, Parent, WarmStartError, check_optimizer, find_parent,
-                                        load_parent_weights, open_model_config)
+from ultrathink.train.warm_start import (Parent, WarmStartError, check_optimizer, find_parent, load_parent_weights,
+                                        open_model_config)
 
 log = logging.getLogger(__name__)
 

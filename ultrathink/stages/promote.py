@@ -14,10 +14,9 @@ from ultrathink.config import Params
 from ultrathink.data.packing import VAL_TEXT_FILE, val_documents
 from ultrathink.evaluate import Yardstick
 from ultrathink.io import atomic_write_json
-from ultrathink.lineage import lineage_tags
+from ultrathink.lineage import LINEAGE_FILE, lineage_tags
 from ultrathink.registry.promote import REPORT_ARTIFACT, TaskEvidence, promote
 from ultrathink.registry.tracking import run_of_model
-from ultrathink.train.warm_start import LINEAGE_FILE
 
 
 def model_lineage(model_dir: Path) -> dict[str, str]:

@@ -25,12 +25,11 @@ from ultrathink.model import hf
 from ultrathink.model.model import CONFIG_FILE, WEIGHTS_FILE
 from ultrathink.tokenizer import tokenizer_hash, vocab_difference
 from ultrathink.hashing import file_sha256
+from ultrathink.lineage import LINEAGE_FILE
 from ultrathink.train.checkpoint import Checkpoint, is_checkpoint, read_checkpoint
 from ultrathink.train.sharded import OPTIMIZER_DIR
 
 log = logging.getLogger(__name__)
-
-LINEAGE_FILE = "lineage.json"  # in a model dir: tokenizer hash, fingerprint and parent of the run that wrote it
 
 
 class WarmStartError(StageError):
