@@ -150,10 +150,7 @@ def use_deterministic_kernels(on: bool) -> None:
     if on:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cudnn.benchmark = False
-    # Only on a change: torch's call also sets Inductor's flag, which imports Inductor and Dynamo (1.3 s of a
-    # 2-core EPYC Zen 3's process) even in a run that never compiles.
-    if on != torch.are_deterministic_algorithms_enabled():
-        torch.use_deterministic_algorithms(on)
+    torch.use_deterministic_algorithms(on)
 
 
 def keep_freed_host_memory() -> bool:
