@@ -859,6 +859,16 @@ def test_train_stage_spends_a_budget_records_the_plan_and_reuses_it(tmp_path, mo
                                if plan["seq_len_warmup_steps"] else None)
     assert trainer.resume() == plan["max_steps"]
 
+    # A sweep of the learning rate and the seed (`dvc exp run -S train.lr=... -S train.seed=...`) reads the same
+    # plan: the same shape, batch and steps, nothing measured; its weights are its own (another configuration).
+    sweep = {"lr": params.train.lr / 3, "seed": params.train.seed + 1}
+    params = params.model_copy(update={"train": params.train.model_copy(update=sweep)})
+    swept, _, read = pretrain.build_trainer(params, Distributed())
+    assert not read.measured and read.key == again.key and read.plan.to_dict() == plan
+    assert swept.model.cfg == trainer.model.cfg and swept.cfg.batch_size == trainer.cfg.batch_size
+    assert swept.cfg.max_steps == plan["max_steps"] and swept.cfg.lr == sweep["lr"]
+    assert swept.checkpoints.fingerprint != trainer.checkpoints.fingerprint and swept.resume() is None
+
 
 @pytest.mark.spawns
 @pytest.mark.slow

@@ -42,7 +42,8 @@ def test_a_configuration_is_measured_once_then_read_back(tmp_path, monkeypatch):
     assert again.peak_flops == first.peak_flops
     # Another configuration is another entry: it is planned (measured) on its own.
     monkeypatch.undo()
-    other = plan_run(MODEL, TRAIN.model_copy(update={"lr": 1e-3}), 64, tokens(4000), tokens(600), "cpu", 1, book)
+    other = plan_run(MODEL, TRAIN.model_copy(update={"batch_size": 2}), 64, tokens(4000), tokens(600), "cpu", 1,
+                     book)
     assert other.measured and other.key != first.key
     assert len(json.loads(book.path.read_text())[first.plan.machine]["plans"]) == 2
 
@@ -80,6 +81,28 @@ def test_bookkeeping_reads_the_recorded_plan_and_a_timed_cadence_is_planned_agai
         # Without a time budget the cadence plans nothing (fine-tuning's finetune.eval_every, say): the same key.
         steps = plan_module.configuration_key(MODEL, TRAIN.model_copy(update=change), 64, 4000, 600, 1)
         assert steps == first.key, change
+
+
+def test_a_sweep_of_knobs_no_timing_reads_shares_one_plan_and_a_timed_knob_does_not(tmp_path, monkeypatch):
+    """The learning rate, the seed, the final rate's share and Adam's betas change the weights but nothing a plan
+    measures or decides: runs that differ only in them read one plan (under a time budget: one shape, one batch, the
+    same steps). A knob a step's time depends on is another configuration."""
+    book = PlanBook(tmp_path / "plans/train.json")
+    first = planned(book)
+    monkeypatch.setattr(plan_module, "decide", lambda *a, **k: pytest.fail("a sweep's run was planned again"))
+    sweep = ({"lr": 3e-4}, {"seed": 7}, {"min_lr_ratio": 0.0}, {"beta1": 0.9}, {"beta2": 0.99})
+    for change in sweep:
+        again = plan_run(MODEL, TRAIN.model_copy(update=change), 64, tokens(4000), tokens(600), "cpu", 1, book)
+        assert not again.measured and again.key == first.key and again.plan == first.plan, change
+    assert plan_module.NUMERICS_ONLY == {key for change in sweep for key in change}  # each of them, and no other
+    budget = TRAIN.model_copy(update={"max_steps": None, "budget": "30s"})
+    for change in sweep:
+        key = plan_module.configuration_key(MODEL, budget.model_copy(update=change), 64, 4000, 600, 1)
+        assert key == plan_module.configuration_key(MODEL, budget, 64, 4000, 600, 1), change
+    for change in ({"optimizer": "muon"}, {"grad_clip": 0.0}, {"ema_horizon": 0.0}, {"schedule": "cosine"},
+                   {"weight_decay": 0.5}, {"warmup_fraction": 0.2}):
+        key = plan_module.configuration_key(MODEL, budget.model_copy(update=change), 64, 4000, 600, 1)
+        assert key != plan_module.configuration_key(MODEL, budget, 64, 4000, 600, 1), change
 
 
 def test_short_contexts_first_are_planned_for_a_corpus_read_many_times_and_a_set_share_wins(tmp_path):

@@ -436,14 +436,22 @@ def test_a_run_killed_as_it_found_a_plateau_goes_back_when_resumed(tmp_path, who
     assert resumed.fit().step == 75 and same_weights(resumed, whole)
 
 
-def test_a_plateau_under_a_time_budget_is_recorded_as_a_replan(tmp_path):
+def test_a_plateau_under_a_time_budget_is_no_replan_and_a_run_of_the_paced_steps_goes_back_alike(tmp_path):
+    """A time budget's plan keeps the steps the run's pace bought, not where a plateau ended it: that follows from
+    the run's validation losses, which a run of another learning rate or seed (sharing the plan) does not have. A
+    run that takes the paced steps from the start, with these losses (the same configuration), goes back at the
+    same step and ends with the same weights."""
     revisions = []
     roomy = Deadline(seconds=600.0, final_seconds=0.0, eval_seconds=0.0, save_seconds=0.0,
                      on_replan=lambda step, max_steps: revisions.append((step, max_steps)))
-    trainer = plateau_trainer(tmp_path, 40, PLATEAU + [1.3] * 100, deadline=roomy)
-    assert trainer.fit().step == 75
+    paced = plateau_trainer(tmp_path / "paced", 40, PLATEAU + [1.3] * 100, deadline=roomy)
+    result = paced.fit()
+    assert result.step == 75 and result.decay_began == 60
     assert revisions[0][0] == 10 and revisions[0][1] > 80  # the deadline's room, at its first revision
-    assert revisions[-1] == (60, 75)
+    assert all(steps > 80 for _, steps in revisions)  # the pace's: none is where the plateau ended the run (75)
+    planned = plateau_trainer(tmp_path / "planned", revisions[-1][1], PLATEAU + [1.3] * 100)
+    again = planned.fit()
+    assert again.step == 75 and again.decay_began == 60 and same_weights(paced, planned)
 
 
 def test_select_last_keeps_the_final_weights_and_best_picks_the_lowest_val(tmp_path):

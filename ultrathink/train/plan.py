@@ -183,15 +183,21 @@ def _sized(model_cfg, train_cfg, sized):
 # nothing re-plans a run that changes it, and a re-measured plan may decide otherwise on a busy machine, which changes
 # the checkpoints' fingerprint: turning train.calibrate off then trained again instead of resuming.
 TIMED_CADENCE = frozenset({"eval_every", "eval_batches", "checkpoint_every"})
-NOT_PLANNED = (TRAIN_BOOKKEEPING - TIMED_CADENCE) | {"init_optimizer"}
+# Knobs that change the weights but neither a decision nor what it was measured on: no timing depends on them and
+# nothing the plan decides is derived from them (a plateau's end, which is, is not recorded in the plan: trainer.py,
+# _decay_from_best). Runs that differ only in these share one plan, so a sweep of the learning rate or the seed under
+# a time budget and model.size auto trains one shape for the same steps, measured once, instead of shapes and steps
+# that a busy machine's probes chose apart.
+NUMERICS_ONLY = frozenset({"seed", "lr", "min_lr_ratio", "beta1", "beta2"})
+NOT_PLANNED = (TRAIN_BOOKKEEPING - TIMED_CADENCE) | {"init_optimizer"} | NUMERICS_ONLY
 
 
 def configuration_key(model_cfg, train_cfg, vocab_size: int, train_tokens: int, val_tokens: int,
                       world_size: int) -> str:
-    """What a plan is measured for: the model and train knobs, the vocabulary, the splits' sizes, and the cadence
-    of validation and checkpoints and the number of ranks only where a time budget makes the plan depend on them.
-    Otherwise a run resumed on another number of ranks, or validating more often, reads the same plan, so its
-    checkpoints' fingerprint is the same."""
+    """What a plan is measured for: the model and train knobs (not NOT_PLANNED's), the vocabulary, the splits'
+    sizes, and the cadence of validation and checkpoints and the number of ranks only where a time budget makes the
+    plan depend on them. Otherwise a run resumed on another number of ranks, or validating more often, reads the
+    same plan, so its checkpoints' fingerprint is the same."""
     timed = train_cfg.budget is not None and Budget.parse(train_cfg.budget).kind == "seconds"
     not_planned = NOT_PLANNED if timed else NOT_PLANNED | TIMED_CADENCE
     return json_hash({"model": model_cfg.model_dump(), "train": train_cfg.model_dump(exclude=set(not_planned)),

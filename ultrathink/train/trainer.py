@@ -415,7 +415,10 @@ class Trainer:
         generators) and begin the decay there, so it anneals the weights that generalised best, not those of the
         steps that overfitted since. The run then ends when the decay is done (it takes decay_fraction of the
         steps up to there), and its checkpoints of the abandoned steps are removed: the run resumes from the
-        rewound path. Every rank does the same."""
+        rewound path. Every rank does the same. A time budget's plan keeps the steps its pace bought (no re-plan
+        is recorded): where the run went back follows from its own validation losses, so a run that reads the plan
+        finds it again if its numbers are these, and a run of another learning rate or seed (which shares the
+        plan: plan.NUMERICS_ONLY) finds its own."""
         planned, found_at, best = self.cfg.max_steps, self.step, self.checkpoints.best()
         if best is not None:  # None: unusable (checkpoints.best() said why), so the decay begins here
             self._restore(best)
@@ -428,8 +431,6 @@ class Trainer:
         log.warning("train.decay_patience: no validation gain in %d passes by step %d; back to step %d (val %.4f) "
                     "to decay from there: the run ends at step %d, not %d", self.cfg.decay_patience, found_at,
                     self.step, self.counters.best_val, self.cfg.max_steps, planned)
-        if self.deadline is not None and self.dist.is_main:
-            self.deadline.on_replan(self.step, self.cfg.max_steps)
 
     def _revise_steps(self, max_steps: int) -> None:
         self.cfg = self.cfg.model_copy(update={"max_steps": max_steps})
