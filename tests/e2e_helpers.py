@@ -52,15 +52,16 @@ def set_params(project: Path, changes: dict) -> None:
     path.write_text(yaml.safe_dump(params, sort_keys=False))
 
 
-def make_project(tmp: Path) -> Path:
-    """A git + DVC checkout of this project's tracked files, with tiny params."""
+def make_project(tmp: Path, tiny: bool = True) -> Path:
+    """A git + DVC checkout of this project's tracked files, with tiny params (or, `tiny` false, the shipped ones)."""
     project = tmp / "project"
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     for name in files:
         if (ROOT / name).is_file():
             (project / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, project / name)
-    set_params(project, TINY)
+    if tiny:
+        set_params(project, TINY)
     sh(["git", "init", "-q"], project)
     sh(["git", "add", "-A"], project)
     sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"], project)
