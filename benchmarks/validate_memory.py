@@ -157,7 +157,7 @@ def main() -> None:
         if args.prepare:
             both = rows[0][1] + rows[1][1]
             rows.insert(2, ("validate + prepare", both, max(rows[0][2], rows[1][2])))
-        print(f"\n| stage | seconds | MB/s | peak RSS of the largest process (MB) |\n|---|---|---|---|")
+        print("\n| stage | seconds | MB/s | peak RSS of the largest process (MB) |\n|---|---|---|---|")
         for name, seconds, rss in rows:
             print(f"| {name} | {seconds:.1f} | {size / 1e6 / seconds:.1f} | {rss:,.0f} |")
     finally:

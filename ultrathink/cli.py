@@ -311,7 +311,7 @@ def registry_promote(version: int = typer.Argument(..., help="the version to mak
     is not worse than it on a guarded task of the project's (or always, with --force)."""
     from mlflow.exceptions import MlflowException
 
-    from ultrathink.registry.champion import RegistryError, actor, decide_and_move, version_yardstick
+    from ultrathink.registry.champion import actor, decide_and_move, version_yardstick
 
     client, model = _registry(name)
     try:
