@@ -18,8 +18,9 @@ from e2e_helpers import TINY, copy_project, make_project, sh
 from ultrathink.config import load_params
 from ultrathink.data.tokens import load_split, read_meta
 from ultrathink.model.kernels import candidates
+from ultrathink.stages.pretrain import weights_fingerprint
 from ultrathink.train.engine import autocast_dtype
-from ultrathink.train.plan import configuration_key
+from ultrathink.train.plan import Plan, configuration_key
 
 pytestmark = [pytest.mark.slow, pytest.mark.spawns]
 
@@ -96,11 +97,12 @@ def test_python_bytecode_beside_the_code_leaves_the_pipeline_up_to_date(trained_
 
 def test_the_committed_lock_and_plan_book_are_what_a_fresh_clone_rebuilds_and_reads(tmp_path):
     """A fresh clone with the shipped params rebuilds the locked hashes of the data stages (on any machine: they do
-    not depend on its class), and the committed plan book holds the shipped configuration's plan for the class the
-    lock's train outputs were made on (reports/train_run.json), so a clone of that class reads it back and trains
-    the locked bytes. A change to what keys a plan, or to a train knob's default, committed without a reference run
-    (a fresh clone's `make run`, its dvc.lock, plan book and reports committed) fails here: the committed plan book
-    held no plan for the shipped configuration from 2026-11-29 to 2026-12-03."""
+    not depend on its class); the committed plan book holds the shipped configuration's plan for the class the
+    lock's train outputs were made on (reports/train_run.json), so a clone of that class reads it back; and those
+    outputs were made by this commit's params, data, training code and plan (the weights' fingerprint), so it
+    trains the locked bytes. A change to any of them committed without a reference run (a fresh clone's `make run`,
+    its dvc.lock, plan book and reports committed) fails here: from 2026-11-27 to 2026-12-03 the lock's train
+    outputs were an older code's, and from 2026-11-29 the book held no plan for the shipped configuration."""
     project = make_project(tmp_path, tiny=False)
     sh(["dvc", "repro", "prepare"], project)
     status = sh(["dvc", "status", "validate", "tokenizer", "prepare"], project)
@@ -108,9 +110,14 @@ def test_the_committed_lock_and_plan_book_are_what_a_fresh_clone_rebuilds_and_re
     params, prepared = load_params(project / "params.yaml"), project / "data/prepared"
     key = configuration_key(params.model, params.train, read_meta(prepared)["vocab_size"],
                             len(load_split(prepared, "train")), len(load_split(prepared, "val")), 1)
-    machine = json.loads((project / "reports/train_run.json").read_text())["machine"]
+    reference = json.loads((project / "reports/train_run.json").read_text())
     book = project / "plans/train.json"
-    assert key in json.loads(book.read_text())[machine]["plans"], f"no plan for the shipped configuration ({key})"
+    plans = json.loads(book.read_text())[reference["machine"]]["plans"]
+    assert key in plans, f"no plan for the shipped configuration ({key})"
+    made_by = weights_fingerprint(params, prepared, Plan.from_dict(plans[key]), parent=None)
+    assert made_by.id == reference["fingerprint"], ("the locked train outputs were made by other params, data, "
+                                                     "training code or plan: make a reference run (a fresh clone's "
+                                                     "`make run`) and commit its dvc.lock, plans and reports")
     locked = yaml.safe_load((project / "dvc.lock").read_text())["stages"]["train"]
     assert next(out["md5"] for out in locked["outs"] if out["path"] == "plans/train.json") == \
         hashlib.md5(book.read_bytes()).hexdigest()

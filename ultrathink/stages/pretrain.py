@@ -25,7 +25,7 @@ from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.distributed import Distributed, setup
 from ultrathink.train.engine import build_engine
 from ultrathink.train.loader import ContextWarmup, TokenWindows
-from ultrathink.train.plan import Decided, PlanBook, RankProbes, apply_plan, plan_on_main, plan_run
+from ultrathink.train.plan import Decided, Plan, PlanBook, RankProbes, apply_plan, plan_on_main, plan_run
 from ultrathink.train.precision import keep_freed_host_memory, use_deterministic_kernels
 from ultrathink.train.trainer import Deadline, Trainer, ready_model
 from ultrathink.train.warm_start import (Parent, WarmStartError, check_optimizer, find_parent, load_parent_weights,
@@ -45,6 +45,14 @@ def resolve_parent(ref: str, model_dir: Path) -> Parent:
                              "stage runs: warm start from the registry (models:/NAME@champion) or a checkpoint "
                              "(paths.checkpoint_dir/<fingerprint>/best or step_N)")
     return find_parent(Path(ref), ref)
+
+
+def weights_fingerprint(params: Params, prepared: Path, plan: Plan, parent: Parent | None) -> Fingerprint:
+    """What determines a pretrained model's weights: the params, the prepared data, the training code, the parent
+    and the plan's decisions. It names the configuration's checkpoint folder and is recorded with the model."""
+    return Fingerprint(training_params_hash(params.model, params.train), directory_hash(prepared),
+                       code_hash(TRAINING_CODE), parent.weights_sha256 if parent else "none",
+                       json_hash(plan.decisions()))
 
 
 def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[Trainer, Parent | None, Decided]:
@@ -67,10 +75,8 @@ def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[
                                                   dist.world_size, PlanBook(p.train_plan), probes.probe), probes)
     plan = decided.plan  # the other ranks follow it and, under a time budget, the main rank's revisions of it
     model_cfg, cfg = apply_plan(plan, model_base, cfg)
-    fingerprint = Fingerprint(training_params_hash(params.model, params.train), directory_hash(prepared),
-                              code_hash(TRAINING_CODE), parent.weights_sha256 if parent else "none",
-                              json_hash(plan.decisions()))
-    checkpoints = CheckpointManager(p.checkpoint_dir, fingerprint, cfg.keep_checkpoints, cfg.keep_configs,
+    checkpoints = CheckpointManager(p.checkpoint_dir, weights_fingerprint(params, prepared, plan, parent),
+                                    cfg.keep_checkpoints, cfg.keep_configs,
                                     extra={"tokenizer_sha256": tok_sha, "optimizer": cfg.optimizer})
     torch.manual_seed(cfg.seed)
     model = UltraThink(model_cfg, vocab_size)
@@ -220,7 +226,8 @@ def train_and_record(params: Params, trainer: Trainer, resumed: int | None, pare
         mlflow.set_tag("model_sha256", model_sha)
         facts = {"run_id": run.info.run_id, "model_sha256": model_sha, "seconds": round(result.seconds, 2),
                  "tokens_per_second": round(result.tokens_per_second, 1), "resumed_from": result.resumed_from,
-                 "plan_measured": decided.measured, "machine": plan.machine}
+                 "plan_measured": decided.measured, "machine": plan.machine,
+                 "fingerprint": checkpoints.fingerprint.id}
         timings = [{"step": point["step"], **{k: point[k] for k in TIMING_FIGURES if k in point}}
                    for point in result.history if "tokens_per_second" in point]
         atomic_write_json(p.train_run, {**facts, "timings": timings})
