@@ -2,7 +2,9 @@
 
 import json
 import math
+import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from e2e_helpers import client_for, make_project, set_params, sh
+from e2e_helpers import ROOT, client_for, make_project, set_params, sh
 from ultrathink.config import Budget, ModelConfig, Params, ParamsError, TokenizerConfig, TrainConfig, load_params
 from ultrathink.tokenizer import auto_vocab_size, load_tokenizer, train_tokenizer
 from ultrathink.train import sizing
-from ultrathink.train.budget import COMPILE_PAYS_AFTER_SECONDS, Probe, compile_pays, steps_for, warmup_for
+from ultrathink.train.budget import (COMPILE_PAYS_AFTER_SECONDS, PROBE_STEPS, Probe, compile_pays,
+                                     step_seconds_side_by_side, steps_for, warmup_for)
 from ultrathink.train.loader import ContextWarmup
 from ultrathink.train import plan as plan_module
 from ultrathink.train.plan import Decided, Plan, apply_plan, decide, plan_run
@@ -747,6 +750,57 @@ def test_a_time_plan_measures_a_near_runner_up_whose_speed_the_step_cost_model_m
     assert planned(fast=runner_up)[:2] == (chosen, probed[:2])
 
 
+def test_shapes_a_wandering_machine_could_have_misordered_are_measured_again_side_by_side(monkeypatch):
+    """A probe times one moment of the machine, and a shared CPU's speed wanders by a fifth within seconds
+    (sizing.PROBE_SPREAD): two shapes probed one after the other were measured as fast as each other where one
+    steps 1.46× as long as the other, and the plan then chose the larger, 0.05 bits/byte worse (benchmarks/
+    README.md). So the choice and every probed shape the law could put ahead of it within that spread are stepped
+    again in turn (budget.step_seconds_side_by_side), and those step times decide. A runner-up whose probe read
+    its step a quarter short is then not chosen; one twice as fast side by side is. The budget pays
+    for the measurement, the plan keeps what was measured again, and nothing is measured again where no probed
+    shape is that near, or on a GPU, or without a side-by-side measurement to call."""
+    train_cfg = TrainConfig(budget="60s", batch_size=None, precision="fp32", attention="torch", eval_batches=2)
+
+    def planned(fast_probe=None, fast_side_by_side=None, device="cpu"):
+        probed, compared = [], []
+        probe = _probe_at_a_flop_rate(probed, lambda shape: 0.75 if shape == fast_probe else 1.0)
+
+        def side_by_side(configs):
+            shapes = [(model.d_model, model.n_layers) for model, _, _ in configs]
+            compared.append(shapes)
+            steps = [sizing.counts(sizing.Shape.of(model), model, 64)[2] * train.batch_size * model.seq_len / 2e10
+                     for model, train, _ in configs]
+            return [s * (0.5 if shape == fast_side_by_side else 1.0) for s, shape in zip(steps, shapes)], 0.8
+
+        plan = decide(ModelConfig(size="auto", dropout=0.0), train_cfg, 64, _stream(200_000), device, 1, FIXED_PEAK,
+                      probe, side_by_side)
+        return (plan.sizing["shape"]["d_model"], plan.sizing["shape"]["n_layers"]), probed, compared, plan
+
+    chosen, probed, compared, fair = planned()
+    assert len(probed) == 3 and chosen == probed[1]
+    runner_up = probed[2]  # the law's near runner-up: within the spread of the choice (and so is the first guess)
+    [first] = compared
+    assert first[0] == chosen and runner_up in first and set(first) <= set(probed)
+    assert fair.probe.seconds == pytest.approx(0.5 * 3 + 0.8)  # the budget pays for it
+    again = [m for m in fair.sizing["measured"] if m["why"].endswith(", again side by side")]
+    assert {(m["shape"]["d_model"], m["shape"]["n_layers"]) for m in again} == set(first)
+    # The runner-up's probe read its step a quarter short: side by side it is not, and the choice stands. Without
+    # the side-by-side measurement the misread probe would have won.
+    misread, probed_fast, compared_fast, plan = planned(fast_probe=runner_up)
+    assert (misread, probed_fast) == (chosen, probed) and compared_fast[0][0] == runner_up
+    assert chosen in compared_fast[0]
+    assert plan.probe.step_seconds == pytest.approx(fair.probe.step_seconds)  # the steps: its side-by-side time
+    alone = decide(ModelConfig(size="auto", dropout=0.0), train_cfg, 64, _stream(200_000), "cpu", 1, FIXED_PEAK,
+                   _probe_at_a_flop_rate([], lambda shape: 0.75 if shape == runner_up else 1.0))
+    assert (alone.sizing["shape"]["d_model"], alone.sizing["shape"]["n_layers"]) == runner_up
+    # Twice as fast side by side: it wins.
+    assert planned(fast_probe=runner_up, fast_side_by_side=runner_up)[0] == runner_up
+    # No probed shape within the spread, or a GPU: nothing is measured again.
+    assert planned(device="cuda")[2] == []
+    monkeypatch.setattr(plan_module.sizing, "PROBE_SPREAD", 0.0)
+    assert planned()[:3] == (chosen, probed, [])
+
+
 def test_a_time_plan_leaves_out_shapes_that_ran_out_of_memory_in_their_probe(caplog):
     """A time budget's first guess comes from the device's peak, so a short budget on a small GPU can guess a model
     that does not fit (a 2-minute guess on an H200 was 434M parameters). The sizing chose it, not the user: the
@@ -779,6 +833,65 @@ def test_a_time_plan_leaves_out_shapes_that_ran_out_of_memory_in_their_probe(cap
 
 def _stream(n=20_000) -> np.ndarray:
     return np.resize(np.random.default_rng(0).integers(0, 60, 41), n).astype(np.uint16)
+
+
+def test_shapes_measured_side_by_side_step_in_turn_on_throwaway_copies():
+    """budget.step_seconds_side_by_side times real throwaway models: the deeper and wider shape's step is the
+    longer, the seconds it took are returned for the budget, and the run's generators are as they were."""
+    def config(width: int, depth: int):
+        model = ModelConfig(d_model=width, n_layers=depth, n_heads=2, n_kv_heads=2, seq_len=32, dropout=0.0)
+        train = TrainConfig(batch_size=4, precision="fp32", attention="torch", weight_decay=0.1, compile=False)
+        return model, train, None
+
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    started = time.perf_counter()
+    (small, large), seconds = step_seconds_side_by_side([config(32, 1), config(128, 4)], 64, _stream(), _stream(2000),
+                                                        "cpu")
+    assert torch.equal(torch.get_rng_state(), before)
+    assert 0 < small < large and 0 < seconds <= time.perf_counter() - started
+    assert PROBE_STEPS == 5 and seconds > 3 * (small + large)  # each one's median: 3 of its 5 steps took as long
+
+
+RANKS_SIDE_BY_SIDE = """
+import json, sys
+from pathlib import Path
+import numpy as np
+from ultrathink.config import ModelConfig, TrainConfig
+from ultrathink.train.distributed import setup
+from ultrathink.train.plan import RankProbes
+
+dist = setup("ddp")
+tokens = np.resize(np.random.default_rng(0).integers(0, 60, 41), 20_000).astype(np.uint16)
+probes = RankProbes(dist, 64, tokens, tokens[:2000])
+train = TrainConfig(batch_size=4, precision="fp32", attention="torch", weight_decay=0.1, compile=False, threads=1)
+configs = [(ModelConfig(d_model=w, n_layers=l, n_heads=2, n_kv_heads=2, seq_len=32, dropout=0.0), train, None)
+           for w, l in ((32, 1), (128, 4))]
+if dist.is_main:
+    steps, seconds = probes.side_by_side(configs)
+    probe = probes.probe(*configs[0])
+    dist.share({"plan": {"steps": steps}})
+    out = {"steps": steps, "seconds": seconds, "probe": probe.step_seconds}
+else:
+    out = probes.follow()
+Path(sys.argv[1], f"rank{dist.rank}.json").write_text(json.dumps(out))
+dist.close()
+"""
+
+
+@pytest.mark.spawns
+def test_the_ranks_of_a_run_measure_side_by_side_together(tmp_path):
+    """A time budget's probes run on every rank of the run (RankProbes): the main rank announces each, the others
+    follow; the side-by-side measurement is announced and followed the same way, between probes, until the plan."""
+    (tmp_path / "ranks.py").write_text(RANKS_SIDE_BY_SIDE)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(tmp_path / "ranks.py"), str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    main, other = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    small, large = main["steps"]
+    assert 0 < small < large and main["seconds"] > 0 and main["probe"] > 0
+    assert other == {"plan": {"steps": main["steps"]}}
 
 
 def test_a_time_plan_probes_a_copy_and_leaves_the_generators_alone():

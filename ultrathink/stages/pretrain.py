@@ -72,7 +72,8 @@ def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[
     train_tokens, val_tokens = load_split(prepared, "train"), load_split(prepared, "val")
     probes = RankProbes(dist, vocab_size, train_tokens, val_tokens)  # a time budget probes on every rank
     decided = plan_on_main(dist, lambda: plan_run(model_base, cfg, vocab_size, train_tokens, val_tokens, dist.device,
-                                                  dist.world_size, PlanBook(p.train_plan), probes.probe), probes)
+                                                  dist.world_size, PlanBook(p.train_plan), probes.probe,
+                                                  probes.side_by_side), probes)
     plan = decided.plan  # the other ranks follow it and, under a time budget, the main rank's revisions of it
     model_cfg, cfg = apply_plan(plan, model_base, cfg)
     checkpoints = CheckpointManager(p.checkpoint_dir, weights_fingerprint(params, prepared, plan, parent),

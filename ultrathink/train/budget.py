@@ -104,17 +104,8 @@ def probe_shape(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens,
     afterwards; nothing of the real run is touched."""
     started = time.perf_counter()
     dist = dist or Distributed(device=device)
-    devices = [torch.device(device).index or 0] if is_cuda(device) else []
-    with torch.random.fork_rng(devices=devices), _shared_temp_dir(dist) as tmp:
-        torch.manual_seed(train_cfg.seed)
-        cfg = train_cfg.model_copy(update={"max_steps": 10**9, "warmup_steps": 1,
-                                           "compile": train_cfg.compile is True})
-        engine = build_engine(ready_model(UltraThink(model_cfg, vocab_size), cfg, attention, dist), cfg, dist)
-        trainer = Trainer(engine, TokenWindows(train_tokens, model_cfg.seq_len, cfg.batch_size, cfg.seed,
-                                               rank=dist.rank, world_size=dist.world_size,
-                                               grad_accum=cfg.grad_accum), val_tokens,
-                          cfg, CheckpointManager(tmp, Fingerprint("probe", "probe", "probe"), keep=1, keep_configs=1),
-                          dist=dist)
+    with _throwaway(device), _shared_temp_dir(dist) as tmp:
+        trainer = _throwaway_trainer(model_cfg, train_cfg, vocab_size, train_tokens, val_tokens, attention, dist, tmp)
         first = [_timed(trainer.train_step, device) for _ in range(PROBE_WARMUP_STEPS)]
         steps = [_timed(trainer.train_step, device) for _ in range(PROBE_STEPS)]
         eval_seconds = _timed(trainer.validate, device)
@@ -122,6 +113,47 @@ def probe_shape(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens,
     step = statistics.median(steps)
     return Probe(step, max(0.0, sum(first) - PROBE_WARMUP_STEPS * step), eval_seconds, save_seconds,
                  time.perf_counter() - started, dist.world_size)
+
+
+def step_seconds_side_by_side(configs: list[tuple], vocab_size: int, train_tokens, val_tokens, device: str,
+                              dist: Distributed | None = None) -> tuple[list[float], float]:
+    """The step seconds of several (model config, train config, attention kernel) measured side by side: a
+    throwaway of each, as probe_shape builds it, one step each to warm up, then PROBE_STEPS rounds of one step of
+    each in turn; each one's median, and the seconds it all took. Probed one after another, two shapes are timed
+    at different moments of a shared machine: on 2 busy cores of an AMD EPYC, five steps' medians of one shape
+    read 71-110 ms within 40 s, while the ratio of two shapes' medians, stepped in turn, read 1.31-1.68 around
+    1.46 (benchmarks/README.md). On every rank of `dist` alike, as probe_shape."""
+    started = time.perf_counter()
+    dist = dist or Distributed(device=device)
+    with _throwaway(device), _shared_temp_dir(dist) as tmp:
+        trainers = [_throwaway_trainer(model_cfg, train_cfg, vocab_size, train_tokens, val_tokens, attention, dist,
+                                       tmp / str(i)) for i, (model_cfg, train_cfg, attention) in enumerate(configs)]
+        for trainer in trainers:
+            trainer.train_step()
+        rounds = [[_timed(trainer.train_step, device) for trainer in trainers] for _ in range(PROBE_STEPS)]
+    return [statistics.median(steps) for steps in zip(*rounds)], time.perf_counter() - started
+
+
+@contextlib.contextmanager
+def _throwaway(device: str):
+    """The global generators as they were before (a probe's model and loader draw from them)."""
+    devices = [torch.device(device).index or 0] if is_cuda(device) else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+def _throwaway_trainer(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, attention,
+                       dist: Distributed, folder: Path) -> Trainer:
+    """A Trainer of a fresh model of `model_cfg`'s shape with the run's settings, seeded as the run is, stepping
+    without end (no schedule's end to reach), eager unless train.compile is true, checkpointing into `folder`."""
+    torch.manual_seed(train_cfg.seed)
+    cfg = train_cfg.model_copy(update={"max_steps": 10**9, "warmup_steps": 1, "compile": train_cfg.compile is True})
+    engine = build_engine(ready_model(UltraThink(model_cfg, vocab_size), cfg, attention, dist), cfg, dist)
+    loader = TokenWindows(train_tokens, model_cfg.seq_len, cfg.batch_size, cfg.seed, rank=dist.rank,
+                          world_size=dist.world_size, grad_accum=cfg.grad_accum)
+    return Trainer(engine, loader, val_tokens, cfg,
+                   CheckpointManager(folder, Fingerprint("probe", "probe", "probe"), keep=1, keep_configs=1),
+                   dist=dist)
 
 
 @contextlib.contextmanager

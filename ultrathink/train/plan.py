@@ -35,7 +35,8 @@ from ultrathink.errors import StageError
 from ultrathink.hashing import json_hash
 from ultrathink.io import atomic_write_json
 from ultrathink.model.kernels import AttentionKernel, choose_attention, fixed_kernel, label
-from ultrathink.train.budget import Probe, compile_pays, probe_shape, steps_for, training_seconds, warmup_for
+from ultrathink.train.budget import (Probe, compile_pays, probe_shape, step_seconds_side_by_side, steps_for,
+                                     training_seconds, warmup_for)
 from ultrathink.train import sizing
 from ultrathink.train.engine import autocast_dtype, cannot_compile
 from ultrathink.train.precision import cpu_peak_gflops, peak_flops
@@ -339,9 +340,12 @@ class Decided:
 
 
 def plan_run(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, device: str, world_size: int = 1,
-             book: PlanBook | None = None, probe: Callable[..., Probe] | None = None) -> Decided:
+             book: PlanBook | None = None, probe: Callable[..., Probe] | None = None,
+             side_by_side: Callable[[list], tuple[list[float], float]] | None = None) -> Decided:
     """The one planning step: read this configuration's plan for this machine class from `book`, or decide it
-    (measuring what must be measured) and record it there. Without a book (a probe, a benchmark) it decides."""
+    (measuring what must be measured) and record it there. Without a book (a probe, a benchmark) it decides.
+    `probe` and `side_by_side` measure (budget.probe_shape, budget.step_seconds_side_by_side: in this process
+    unless given; a `probe` given alone, nothing is measured side by side)."""
     missing = cannot_compile(device) if train_cfg.compile is True else None
     if missing:  # before anything is measured or written
         raise StageError(f"train.compile true: torch.compile cannot build a step on this {device_type(device)}: "
@@ -354,15 +358,21 @@ def plan_run(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, de
     others = book.others(machine, key) if book else {}
     if recorded is not None:
         return Decided(recorded, False, others, peak_for(recorded.precision, device, gflops), key)
-    probe = probe or (lambda model_cfg, train_cfg, kernel: probe_shape(model_cfg, train_cfg, vocab_size, train_tokens,
-                                                                       val_tokens, device, kernel))
-    plan = decide(model_cfg, train_cfg, vocab_size, train_tokens, device, world_size, gflops, probe)
+    if probe is None:
+        probe = functools.partial(_probe_here, vocab_size, train_tokens, val_tokens, device)
+        side_by_side = functools.partial(step_seconds_side_by_side, vocab_size=vocab_size, train_tokens=train_tokens,
+                                         val_tokens=val_tokens, device=device)
+    plan = decide(model_cfg, train_cfg, vocab_size, train_tokens, device, world_size, gflops, probe, side_by_side)
     plan.machine = machine
     if others:
         log.warning("%s", other_class_line(plan, others))
     if book:
         book.record(machine, key, plan)
     return Decided(plan, True, others, peak_for(plan.precision, device, gflops), key)
+
+
+def _probe_here(vocab_size: int, train_tokens, val_tokens, device: str, model_cfg, train_cfg, kernel) -> Probe:
+    return probe_shape(model_cfg, train_cfg, vocab_size, train_tokens, val_tokens, device, kernel)
 
 
 class RankProbes:
@@ -375,21 +385,41 @@ class RankProbes:
 
     def probe(self, model_cfg: ModelConfig, train_cfg: TrainConfig, kernel: AttentionKernel | None) -> Probe:
         """On the main rank, inside plan_run."""
-        self.dist.share({"probe": [model_cfg.model_dump(mode="json"), train_cfg.model_dump(mode="json"),
-                                   kernel.to_dict() if kernel else None]})
+        self.dist.share({"probe": self._message(model_cfg, train_cfg, kernel)})
         return self._run(model_cfg, train_cfg, kernel)
+
+    def side_by_side(self, configs: list) -> tuple[list[float], float]:
+        """On the main rank, inside plan_run: budget.step_seconds_side_by_side on every rank."""
+        self.dist.share({"side_by_side": [self._message(*config) for config in configs]})
+        return self._side_by_side(configs)
 
     def follow(self) -> dict:
         """On the other ranks: each probe the main rank announces, then its plan message."""
-        while "probe" in (message := self.dist.share(None)):
-            model, train, kernel = message["probe"]
-            self._run(ModelConfig.model_validate(model), TrainConfig.model_validate(train),
-                      AttentionKernel(**kernel) if kernel else None)
+        while "plan" not in (message := self.dist.share(None)):
+            if "probe" in message:
+                self._run(*self._config(message["probe"]))
+            else:
+                self._side_by_side([self._config(config) for config in message["side_by_side"]])
         return message
+
+    @staticmethod
+    def _message(model_cfg, train_cfg, kernel) -> list:
+        return [model_cfg.model_dump(mode="json"), train_cfg.model_dump(mode="json"),
+                kernel.to_dict() if kernel else None]
+
+    @staticmethod
+    def _config(message: list) -> tuple:
+        model, train, kernel = message
+        return (ModelConfig.model_validate(model), TrainConfig.model_validate(train),
+                AttentionKernel(**kernel) if kernel else None)
 
     def _run(self, model_cfg, train_cfg, kernel) -> Probe:
         return probe_shape(model_cfg, train_cfg, self.vocab_size, self.train_tokens, self.val_tokens,
                            self.dist.device, kernel, self.dist)
+
+    def _side_by_side(self, configs: list) -> tuple[list[float], float]:
+        return step_seconds_side_by_side(configs, self.vocab_size, self.train_tokens, self.val_tokens,
+                                         self.dist.device, self.dist)
 
 
 def plan_on_main(dist, decide: Callable[[], Decided], probes: RankProbes | None = None) -> Decided:
@@ -413,7 +443,8 @@ def other_class_line(plan: Plan, others: dict[str, Plan]) -> str:
 
 
 def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, world_size: int,
-           gflops: dict[str, float] | None, probe: Callable[..., Probe]) -> Plan:
+           gflops: dict[str, float] | None, probe: Callable[..., Probe],
+           side_by_side: Callable[[list], tuple[list[float], float]] | None = None) -> Plan:
     """Precision, then (model.size auto) the shape, the attention kernel for it, the probe a time budget or
     compile auto needs, the steps, compile and (train.weight_decay null) the weight decay for the epochs planned."""
 
@@ -468,7 +499,9 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
             # the faster step then read its corpus half as often as planned. Not for a slowdown within RESIZE_SLOWDOWN
             # (a GPU's: 1.01-1.06× on an H200). The shapes probed are compared at the tokens their measured speed buys
             # in the seconds left for training (budget.training_seconds: less the probes, the first steps' extra, and
-            # each shape's own validation and checkpoint costs), as sizing.best_measured says.
+            # each shape's own validation and checkpoint costs), as sizing.best_measured says; on a CPU, whose speed
+            # wanders between probes, those that could be ahead of the choice (sizing.could_overtake) at step times
+            # measured again side by side with it (again_side_by_side).
             peak_rate = (peak or 1e11) * world_size
             cost = sizing.StepCost(round_figures(peak_rate * GUESS_UTILISATION))
 
@@ -527,6 +560,26 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
                                                  weight_decay)
                 return timed, seconds / seconds_per_token
 
+            def again_side_by_side(model_cfg, probed: list, which: list[int]) -> None:
+                """Measure the step of the probed shapes `which` again, side by side (a CPU's speed wanders between
+                probes: sizing.PROBE_SPREAD), and take those step times for them: in `probed`, and as each one's
+                latest probe (the budget pays for it; the steps of the one chosen come from it)."""
+                configs, latest = [], []
+                for i in which:
+                    shaped_model, shaped_train = probed_as(model_cfg, probed[i][0])
+                    key = (shaped_model, shaped_train.batch_size)
+                    latest.append(next(entry for entry in reversed(probes) if entry[0] == key))
+                    configs.append((shaped_model, shaped_train, latest[-1][1][0]))
+                steps, seconds = side_by_side(configs)
+                for i, step, (key, (kernel, timings, _)) in zip(which, steps, latest):
+                    sized, taken, tokens, cfg, why = probed[i]
+                    again = replace(taken, step_seconds=step, seconds=seconds / len(which))
+                    probes.append((key, (kernel, timings, again)))
+                    probed[i] = (sized, again, tokens, cfg, f"{why}, again side by side")
+                log.info("time budget: %s probed shapes measured again side by side: %s", len(which),
+                         ", ".join(f"{probed[i][0].shape.d_model}x{probed[i][0].shape.n_layers} batch "
+                                   f"{probed[i][0].batch_size} {step * 1e3:.0f} ms" for i, step in zip(which, steps)))
+
             def size_in_seconds(model_cfg, probed: list) -> Sizing:
                 """The shape (and batch) for the seconds left, at model_cfg's dropout (0 where null): probed until
                 the step cost fitted to the probes chooses a shape already probed, then the best measured.
@@ -546,6 +599,12 @@ def decide(model_cfg, train_cfg, vocab_size: int, train_tokens, device: str, wor
                                 "last choice" if unprobed else "near runner-up")
                 timed = [at_speed(model_cfg, *entry) for entry in probed]
                 best = sizing.best_measured([t for t, _ in timed])
+                near = [i for i, (t, _) in enumerate(timed) if t is not best and sizing.could_overtake(t, best, corpus)]
+                if near and side_by_side is not None and device_type(device) == "cpu":
+                    again_side_by_side(model_cfg, probed, [next(i for i, (t, _) in enumerate(timed) if t is best),
+                                                           *near])
+                    timed = [at_speed(model_cfg, *entry) for entry in probed]
+                    best = sizing.best_measured([t for t, _ in timed])
                 bought = next(tokens for t, tokens in timed if t is best)
                 records = [sizing.probed_record(t, why) for (t, _), (*_, why) in zip(timed, probed)]
                 sized = replace(best, measured=records)

@@ -126,6 +126,12 @@ TIE = 0.005
 # law's prediction by about 2%, so a runner-up predicted within this of the choice is probed too and the two are
 # compared at their measured speeds (best_measured).
 MEASURE_MARGIN = 0.02
+# A probe's step time is one moment of the machine's, and a shared CPU's speed wanders: on 2 busy cores of an AMD
+# EPYC Zen 3, medians of five steps of one shape read 71-110 ms over 40 s (90 in the middle), so two shapes probed one
+# after the other can be measured as fast as each other when one is 1.46× the other's step. A measured shape that
+# would be predicted better than the choice were its speed this much faster and the choice's this much slower is
+# measured again side by side with it (plan.py; could_overtake).
+PROBE_SPREAD = 0.2
 # train.weight_decay null: AdamW's decoupled decay on the hidden matrices, by the epochs a run is planned to see. A
 # regulariser that costs nothing per step, so unlike dropout it needs no speed measured: WEIGHT_DECAY below
 # REPEATED_DECAY_EPOCHS passes over the corpus, REPEATED_WEIGHT_DECAY from there. Fitted to runs at equal steps
@@ -393,6 +399,17 @@ def best_measured(measured: list[Sizing]) -> Sizing:
     batch 4 on Pride: 1.35M tokens predicted, 1.08M trained, and 0.028 bits/byte worse than the d192 × 3 it
     displaced). Between shapes both measured, the measurement decides."""
     return _cheapest_of_the_best(measured, lambda s: s.predicted_loss, lambda s: (s.flops_per_token, s.params))
+
+
+def could_overtake(other: Sizing, best: Sizing, corpus_tokens: int) -> bool:
+    """Whether the law would predict `other` better than `best` (both at their measured speeds, at_measured_speed)
+    had `other`'s probe read PROBE_SPREAD slow and `best`'s PROBE_SPREAD fast: then the order of two probes taken at
+    different moments is within the machine's wander, and only a measurement side by side can tell them apart."""
+    def loss(sized: Sizing, factor: float) -> float:
+        decay = DROPOUT_REPEAT_DECAY if sized.dropout else REPEAT_DECAY
+        return predicted_loss(sized.non_embedding_params, sized.tokens * factor, corpus_tokens, decay)
+
+    return loss(other, 1 + PROBE_SPREAD) < loss(best, 1 - PROBE_SPREAD)
 
 
 def probed_record(sized: Sizing, why: str) -> dict:
