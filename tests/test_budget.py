@@ -612,17 +612,24 @@ def test_a_time_plan_that_keeps_dropout_sizes_its_shape_again_at_dropouts_speed(
     dropout costs a step little (a GPU's), which would only spend the budget on probes."""
     corpus, vocab = 100_000, 64
 
-    def planned(model_cfg, slowdown=1.8):
+    def planned(model_cfg, slowdown=1.8, side_by_side=False):
         train_cfg = TrainConfig(budget="600s", batch_size=None, precision="fp32", attention="torch", eval_batches=2)
         probed = []
 
-        def probe(model, train, kernel):  # a step's time follows its FLOPs; dropout slows it `slowdown`×
-            probed.append(model.dropout)
+        def step(model, train) -> float:  # a step's time follows its FLOPs; dropout slows it `slowdown`×
             flops = sizing.counts(sizing.Shape.of(model), model, vocab)[2] * train.batch_size * model.seq_len
-            return Probe(step_seconds=(flops / 3e10 + 0.002) * (slowdown if model.dropout else 1.0),
-                         first_steps_extra=0.1, eval_seconds=0.05, save_seconds=0.05, seconds=0.5)
+            return (flops / 3e10 + 0.002) * (slowdown if model.dropout else 1.0)
+
+        def probe(model, train, kernel):
+            probed.append(model.dropout)
+            return Probe(step_seconds=step(model, train), first_steps_extra=0.1, eval_seconds=0.05,
+                         save_seconds=0.05, seconds=0.5)
+
+        def agreeing(configs):  # measured side by side as the probes measured them
+            return [step(model, train) for model, train, _ in configs], 0.5
         gflops = {"fp32": 100.0, "bf16": 200.0}  # a fixed peak: the first guess does not follow this machine's
-        return decide(model_cfg, train_cfg, vocab, _stream(corpus), "cpu", 1, gflops, probe), probed
+        return decide(model_cfg, train_cfg, vocab, _stream(corpus), "cpu", 1, gflops, probe,
+                      agreeing if side_by_side else None), probed
 
     null, probed = planned(ModelConfig(size="auto"))
     assert null.weight_decay == sizing.REPEATED_WEIGHT_DECAY and null.sizing["dropout"] == sizing.DROPOUT_AT_BOUND
@@ -630,6 +637,11 @@ def test_a_time_plan_that_keeps_dropout_sizes_its_shape_again_at_dropouts_speed(
     [undropped] = [m for m in null.sizing["measured"] if m["why"] == "the choice without dropout, dropout 0.2"]
     assert (undropped["shape"], undropped["batch_size"]) != (null.sizing["shape"], null.sizing["batch_size"])
     assert null.sizing["epochs"] > 1.2 * undropped["tokens"] / corpus  # 11.0 epochs; that shape at its speed: 8.3
+    # Measured again side by side where shapes are near, at each round's dropout, the same speeds choose the same.
+    again = planned(ModelConfig(size="auto"), side_by_side=True)[0].sizing
+    assert (again["shape"], again["batch_size"], again["dropout"]) == \
+        (null.sizing["shape"], null.sizing["batch_size"], null.sizing["dropout"])
+    assert any(m["why"].endswith(", again side by side, dropout 0.2") for m in again["measured"])
     never = planned(ModelConfig(size="auto", dropout=0.0))[0].sizing  # the first round: the speed without dropout
     assert (never["shape"], never["batch_size"]) == (undropped["shape"], undropped["batch_size"])
     set_high = planned(ModelConfig(size="auto", dropout=0.2))[0].sizing
