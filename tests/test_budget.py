@@ -773,7 +773,7 @@ def test_shapes_a_wandering_machine_could_have_misordered_are_measured_again_sid
     shape is that near, or on a GPU, or without a side-by-side measurement to call."""
     train_cfg = TrainConfig(budget="60s", batch_size=None, precision="fp32", attention="torch", eval_batches=2)
 
-    def planned(fast_probe=None, fast_side_by_side=None, device="cpu"):
+    def planned(fast_probe=None, fast_side_by_side=None, device="cpu", through_plan_run=False):
         probed, compared = [], []
         probe = _probe_at_a_flop_rate(probed, lambda shape: 0.75 if shape == fast_probe else 1.0)
 
@@ -784,8 +784,14 @@ def test_shapes_a_wandering_machine_could_have_misordered_are_measured_again_sid
                      for model, train, _ in configs]
             return [s * (0.5 if shape == fast_side_by_side else 1.0) for s, shape in zip(steps, shapes)], 0.8
 
-        plan = decide(ModelConfig(size="auto", dropout=0.0), train_cfg, 64, _stream(200_000), device, 1, FIXED_PEAK,
-                      probe, side_by_side)
+        if through_plan_run:  # its own probe (patched: no real steps) and the side-by-side measurement given
+            monkeypatch.setattr(plan_module, "_probe_here", lambda *args: probe(*args[-3:]))
+            monkeypatch.setattr(plan_module, "cpu_matmul_gflops", lambda *args: FIXED_PEAK)
+            plan = plan_run(ModelConfig(size="auto", dropout=0.0), train_cfg, 64, _stream(200_000), _stream(2000),
+                            device, side_by_side=side_by_side).plan
+        else:
+            plan = decide(ModelConfig(size="auto", dropout=0.0), train_cfg, 64, _stream(200_000), device, 1,
+                          FIXED_PEAK, probe, side_by_side)
         return (plan.sizing["shape"]["d_model"], plan.sizing["shape"]["n_layers"]), probed, compared, plan
 
     chosen, probed, compared, fair = planned()
@@ -807,6 +813,9 @@ def test_shapes_a_wandering_machine_could_have_misordered_are_measured_again_sid
     assert (alone.sizing["shape"]["d_model"], alone.sizing["shape"]["n_layers"]) == runner_up
     # Twice as fast side by side: it wins.
     assert planned(fast_probe=runner_up, fast_side_by_side=runner_up)[0] == runner_up
+    # plan_run probes in this process unless given a probe; a side-by-side measurement given alone is the one used.
+    assert planned(through_plan_run=True)[:3] == (chosen, probed, [first])
+    assert planned(fast_probe=runner_up, fast_side_by_side=runner_up, through_plan_run=True)[0] == runner_up
     # No probed shape within the spread, or a GPU: nothing is measured again.
     assert planned(device="cuda")[2] == []
     monkeypatch.setattr(plan_module.sizing, "PROBE_SPREAD", 0.0)

@@ -360,8 +360,9 @@ def plan_run(model_cfg, train_cfg, vocab_size: int, train_tokens, val_tokens, de
         return Decided(recorded, False, others, peak_for(recorded.precision, device, gflops), key)
     if probe is None:
         probe = functools.partial(_probe_here, vocab_size, train_tokens, val_tokens, device)
-        side_by_side = functools.partial(step_seconds_side_by_side, vocab_size=vocab_size, train_tokens=train_tokens,
-                                         val_tokens=val_tokens, device=device)
+        side_by_side = side_by_side or functools.partial(step_seconds_side_by_side, vocab_size=vocab_size,
+                                                         train_tokens=train_tokens, val_tokens=val_tokens,
+                                                         device=device)
     plan = decide(model_cfg, train_cfg, vocab_size, train_tokens, device, world_size, gflops, probe, side_by_side)
     plan.machine = machine
     if others:
