@@ -277,13 +277,17 @@ def saturating_tokens(non_embedding_params: int, unique: float, repeat_decay: fl
     return high
 
 
+def repeat_decay(sized: "Sizing") -> float:
+    """The repeat discount the law applies to a sized run's tokens: dropout's where it keeps dropout."""
+    return DROPOUT_REPEAT_DECAY if sized.dropout else REPEAT_DECAY
+
+
 def saturated(sized: "Sizing", corpus_tokens: int) -> "Sizing":
     """`sized` with its tokens at most its model's saturating_tokens (at dropout's repeat discount where it keeps
     dropout): the rest of a budget larger than the corpus can use is left unspent. Past them the law sees no gain,
     and runs lost: a time budget on an H200 planned 165 epochs of tiny Shakespeare, and the best validation was the
     first (27 epochs); of 400 epochs of Pride, likewise (benchmarks/README.md)."""
-    decay = DROPOUT_REPEAT_DECAY if sized.dropout else REPEAT_DECAY
-    tokens = min(sized.tokens, saturating_tokens(sized.non_embedding_params, corpus_tokens, decay))
+    tokens = min(sized.tokens, saturating_tokens(sized.non_embedding_params, corpus_tokens, repeat_decay(sized)))
     return replace(sized, tokens=tokens, epochs=tokens / corpus_tokens)
 
 
@@ -406,8 +410,7 @@ def could_overtake(other: Sizing, best: Sizing, corpus_tokens: int) -> bool:
     had `other`'s probe read PROBE_SPREAD slow and `best`'s PROBE_SPREAD fast: then the order of two probes taken at
     different moments is within the machine's wander, and only a measurement side by side can tell them apart."""
     def loss(sized: Sizing, factor: float) -> float:
-        decay = DROPOUT_REPEAT_DECAY if sized.dropout else REPEAT_DECAY
-        return predicted_loss(sized.non_embedding_params, sized.tokens * factor, corpus_tokens, decay)
+        return predicted_loss(sized.non_embedding_params, sized.tokens * factor, corpus_tokens, repeat_decay(sized))
 
     return loss(other, 1 + PROBE_SPREAD) < loss(best, 1 - PROBE_SPREAD)
 
