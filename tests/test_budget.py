@@ -859,16 +859,18 @@ def _stream(n=20_000) -> np.ndarray:
 def test_shapes_measured_side_by_side_step_in_turn_on_throwaway_copies():
     """budget.step_seconds_side_by_side times real throwaway models: the deeper and wider shape's step is the
     longer, the seconds it took are returned for the budget, and the run's generators are as they were."""
-    def config(width: int, depth: int):
-        model = ModelConfig(d_model=width, n_layers=depth, n_heads=2, n_kv_heads=2, seq_len=32, dropout=0.0)
-        train = TrainConfig(batch_size=4, precision="fp32", attention="torch", weight_decay=0.1, compile=False)
+    def config(width: int, depth: int, seq_len: int, batch: int):
+        model = ModelConfig(d_model=width, n_layers=depth, n_heads=2, n_kv_heads=2, seq_len=seq_len, dropout=0.0)
+        train = TrainConfig(batch_size=batch, precision="fp32", attention="torch", weight_decay=0.1, compile=False)
         return model, train, None
 
     torch.manual_seed(5)
     before = torch.get_rng_state()
     started = time.perf_counter()
-    (small, large), seconds = step_seconds_side_by_side([config(32, 1), config(128, 4)], 64, _stream(), _stream(2000),
-                                                        "cpu")
+    # ~30 times the small shape's work (2.8 vs 80 ms a step on a Zen 4), not ~4.5 times: on CI's loaded 2 cores
+    # the small one's median once read 100 ms against d128 x 4 b4 seq 32's 60 ms.
+    (small, large), seconds = step_seconds_side_by_side([config(32, 1, 32, 4), config(256, 4, 64, 8)], 64, _stream(),
+                                                        _stream(2000), "cpu")
     assert torch.equal(torch.get_rng_state(), before)
     assert 0 < small < large and 0 < seconds <= time.perf_counter() - started
     assert PROBE_STEPS == 5 and seconds > 3 * (small + large)  # each one's median: 3 of its 5 steps took as long
@@ -886,8 +888,10 @@ dist = setup("ddp")
 tokens = np.resize(np.random.default_rng(0).integers(0, 60, 41), 20_000).astype(np.uint16)
 probes = RankProbes(dist, 64, tokens, tokens[:2000])
 train = TrainConfig(batch_size=4, precision="fp32", attention="torch", weight_decay=0.1, compile=False, threads=1)
-configs = [(ModelConfig(d_model=w, n_layers=l, n_heads=2, n_kv_heads=2, seq_len=32, dropout=0.0), train, None)
-           for w, l in ((32, 1), (128, 4))]
+# ~30 times the small shape's work, so that a loaded machine's noise cannot reorder their medians.
+configs = [(ModelConfig(d_model=w, n_layers=l, n_heads=2, n_kv_heads=2, seq_len=seq, dropout=0.0),
+            train.model_copy(update={"batch_size": batch}), None)
+           for w, l, seq, batch in ((32, 1, 32, 4), (256, 4, 64, 8))]
 if dist.is_main:
     steps, seconds = probes.side_by_side(configs)
     probe = probes.probe(*configs[0])
