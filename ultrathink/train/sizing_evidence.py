@@ -500,10 +500,15 @@ class DropoutForEpochs:
     sizing.DROPOUT_AT_BOUND, side by side on one machine, one pair per seed."""
     corpus: str
     shapes: str  # without dropout; with it
-    epochs: float  # the passes over the corpus the run without dropout read
-    params_per_token: float  # that run's non-embedding parameters per unique training token
+    epochs: float  # the passes over the corpus the run without dropout read (or its sizing planned, as the rule weighs)
+    non_embedding_params: int  # that run's (or sizing's) model
+    corpus_tokens: int  # unique training tokens
     undropped_runs: tuple[float, ...]  # held-out bits per byte, one per seed
     dropped_runs: tuple[float, ...]  # the same seeds
+
+    @property
+    def params_per_token(self) -> float:
+        return self.non_embedding_params / self.corpus_tokens
 
     @property
     def undropped(self) -> float:
@@ -522,9 +527,9 @@ class DropoutForEpochs:
 # (3.13 to 3.18 nats) while its training loss fell from 2.73 to 1.82, and it scored worse than 2 minutes do.
 DROPOUT_FOR_EPOCHS: tuple[DropoutForEpochs, ...] = (
     DropoutForEpochs("tiny Shakespeare", "d384x5 batch 16, 1111 steps; d320x4 batch 16, 1142", 4_550_656 / 372_624,
-                     8_114_944 / 372_624, (2.2068,), (2.1000,)),
+                     8_114_944, 372_624, (2.2068,), (2.1000,)),
     DropoutForEpochs("WikiText-2 valid+test", "d320x4 batch 32, 907 steps; d320x4 batch 16, 1007",
-                     7_430_144 / 685_101, 5_082_432 / 685_101, (1.6685,), (1.6557,)),
+                     7_430_144 / 685_101, 5_082_432, 685_101, (1.6685,), (1.6557,)),
 )
 
 # A model of few parameters per unique token read as many times: the shape the sizing picks for 2 minutes of tiny
@@ -533,7 +538,25 @@ DROPOUT_FOR_EPOCHS: tuple[DropoutForEpochs, ...] = (
 # dropout (a step with it took 1.5× as long here), and it still measured worse at both seeds.
 DROPOUT_FOR_EPOCHS_SMALL: tuple[DropoutForEpochs, ...] = (
     DropoutForEpochs("tiny Shakespeare", "d192x4 batch 32, 1450 steps, both", 1450 * 32 * 128 / 489_223,
-                     1_771_712 / 489_223, (2.1190, 2.1326), (2.1336, 2.1475)),
+                     1_771_712, 489_223, (2.1190, 2.1326), (2.1336, 2.1475)),
+)
+
+ZEN4 = "2 cores of an AMD EPYC Zen 4 (AVX512-BF16), bf16"
+
+# Small models of many parameters per token read many times in a short budget: the 2-minute plans of two small
+# corpora on ZEN4 (2026-12-04, sixty-third and sixty-fourth sessions), where the rule as it was (10 epochs, 5.2 per
+# token) kept 0.2 (`budget_quality.py --budget 2min`: its defaults), against the plan without dropout at the same
+# seed (`--set model.dropout=0`). `epochs` and the size are the undropped sizing the rule weighed (the plan then
+# sized its shape again at dropout's speed, 1.3x a step: fewer epochs). Dropout measured worse at every seed.
+DROPOUT_FOR_EPOCHS_SHORT: tuple[DropoutForEpochs, ...] = (
+    DropoutForEpochs("the embedded Python reference, seeds 1337 and 1",
+                     "d256x3 seq 256 batch 4, 1516 steps / batch 8, 799; d192x4 batch 8, 1017 / d256x3 seq 256 "
+                     "batch 8, 399 (weighed: d256x3 batch 8 at 11.8 / 12.1 epochs)", 1_564_672 / 133_105, 2_214_016,
+                     133_105,
+                     (1.5463, 1.5420), (1.6342, 1.6843)),
+    DropoutForEpochs("tiny Shakespeare, first 500 KB, seed 1337", "d256x3 seq 256 batch 8, 726 steps; d192x3 batch 8, "
+                     "1253 (weighed: d192x4 batch 16 at 10.1 epochs)", 1_923_072 / 189_585, 1_771_712, 189_585,
+                     (2.3301,), (2.4302,)),
 )
 
 
@@ -557,6 +580,17 @@ def dropout_for_epochs_threshold(paid: tuple[DropoutForEpochs, ...] = DROPOUT_FO
                               if all(d > u for d, u in zip(c.dropped_runs, c.undropped_runs))),
                           min(c.params_per_token for c in paid if c.dropped < c.undropped),
                           "dropout for many epochs")
+
+
+def dropout_for_epochs_min_params(paid: tuple[DropoutForEpochs, ...] = DROPOUT_FOR_EPOCHS,
+                                  erred: tuple[DropoutForEpochs, ...] = DROPOUT_FOR_EPOCHS_SHORT) -> float:
+    """Non-embedding parameters from which a run of many epochs keeps dropout: the geometric middle (2 figures) of
+    the gap between the largest model whose dropout for many epochs measured worse at every seed and the smallest
+    whose measured better. Raises where the runs do not separate."""
+    return _middle_of_gap(max(c.non_embedding_params for c in erred
+                              if all(d > u for d, u in zip(c.dropped_runs, c.undropped_runs))),
+                          min(c.non_embedding_params for c in paid if c.dropped < c.undropped),
+                          "dropout for many epochs", "non-embedding parameters")
 
 
 def dropout_at_bound_threshold(paid: tuple[DropoutAtBound, ...] = DROPOUT_AT_BOUND,
