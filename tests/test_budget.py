@@ -494,31 +494,32 @@ def test_a_model_at_the_bound_keeps_more_dropout_beside_the_repeated_texts_decay
 
 def test_a_run_of_many_epochs_keeps_more_dropout_beside_the_repeated_texts_decay_unless_its_model_is_small():
     """Beside the repeated-text decay a run planned for DROPOUT_AT_BOUND_EPOCHS or more keeps DROPOUT_AT_BOUND
-    from DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN and DROPOUT_FOR_EPOCHS_PARAMS up, far below the bound's
+    from DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN and DROPOUT_FOR_EPOCHS_TOKENS up, far below the bound's
     DROPOUT_AT_BOUND_PARAMS_PER_TOKEN; one just below any keeps none. The thresholds are the ones the runs fit:
     every law's pick of many epochs measured better with it, every run of fewer epochs worse, and so did the
-    smallest model per token of many epochs at every seed, and the small models of 2-minute plans at every seed,
-    though many per token."""
+    smallest model per token of many epochs at every seed, and the short plans' runs at every seed, though many
+    per token and some as large as one that paid."""
     from ultrathink.train.sizing_evidence import (DROPOUT_FOR_EPOCHS, DROPOUT_FOR_EPOCHS_SHORT,
                                                   DROPOUT_FOR_EPOCHS_SMALL, DROPOUT_OVER_DECAY,
-                                                  dropout_epochs_threshold, dropout_for_epochs_min_params,
+                                                  dropout_epochs_threshold, dropout_for_epochs_min_tokens,
                                                   dropout_for_epochs_threshold)
 
-    threshold, unique = sizing.DROPOUT_AT_BOUND_EPOCHS, 300_000
-    per_token, params = sizing.DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN, sizing.DROPOUT_FOR_EPOCHS_PARAMS
+    threshold, unique = sizing.DROPOUT_AT_BOUND_EPOCHS, 400_000
+    per_token, tokens = sizing.DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN, sizing.DROPOUT_FOR_EPOCHS_TOKENS
     assert threshold == dropout_epochs_threshold() == 10
     assert per_token == dropout_for_epochs_threshold() == 5.2
-    assert params == dropout_for_epochs_min_params() == 3.4e6
-    # The short plans' runs are ones the rule before kept dropout for, and per token alone cannot tell them from
-    # the runs where it paid: only the size does.
+    assert tokens == dropout_for_epochs_min_tokens() == 3.2e6
+    # The short plans' runs are ones the rule before kept dropout for; neither per token nor the model's size tells
+    # them from the runs where it paid: the tokens trained do.
     assert all(c.epochs >= threshold and c.params_per_token >= per_token for c in DROPOUT_FOR_EPOCHS_SHORT)
     assert all(d > u for c in DROPOUT_FOR_EPOCHS_SHORT for d, u in zip(c.dropped_runs, c.undropped_runs))
     assert (max(c.params_per_token for c in DROPOUT_FOR_EPOCHS_SHORT)
             > min(c.params_per_token for c in DROPOUT_FOR_EPOCHS))
-    assert max(c.non_embedding_params for c in DROPOUT_FOR_EPOCHS_SHORT) < params
-    assert min(c.non_embedding_params for c in DROPOUT_FOR_EPOCHS) > params
+    assert (max(c.non_embedding_params for c in DROPOUT_FOR_EPOCHS_SHORT)
+            >= min(c.non_embedding_params for c in DROPOUT_FOR_EPOCHS))
+    assert max(c.tokens for c in DROPOUT_FOR_EPOCHS_SHORT) < tokens < min(c.tokens for c in DROPOUT_FOR_EPOCHS)
     with pytest.raises(ValueError, match="no threshold separates them"):  # worse above where it was better
-        dropout_for_epochs_min_params(erred=(replace(DROPOUT_FOR_EPOCHS_SHORT[0], non_embedding_params=6_000_000),))
+        dropout_for_epochs_min_tokens(erred=(replace(DROPOUT_FOR_EPOCHS_SHORT[0], epochs=50.0),))
     assert all(c.dropped < c.undropped and c.epochs > threshold for c in DROPOUT_FOR_EPOCHS)
     assert all(c.epochs > threshold and c.params_per_token < per_token for c in DROPOUT_FOR_EPOCHS_SMALL)
     assert all(d > u for c in DROPOUT_FOR_EPOCHS_SMALL for d, u in zip(c.dropped_runs, c.undropped_runs))
@@ -542,10 +543,12 @@ def test_a_run_of_many_epochs_keeps_more_dropout_beside_the_repeated_texts_decay
     assert sizing.with_dropout(fewer, unique, slowdown=1.3, weight_decay=repeated) == replace(fewer, dropout=0.0)
     smaller = replace(many, non_embedding_params=int(0.99 * per_token * unique))
     assert sizing.with_dropout(smaller, unique, slowdown=1.3, weight_decay=repeated) == replace(smaller, dropout=0.0)
-    small_in_itself = replace(many, non_embedding_params=int(0.99 * params))  # 11 per token, read 10 times
-    assert small_in_itself.non_embedding_params > per_token * unique
-    assert (sizing.with_dropout(small_in_itself, unique, slowdown=1.3, weight_decay=repeated)
-            == replace(small_in_itself, dropout=0.0))
+    corpus = 200_000  # 15 per token, read 16 times, but trained on just under DROPOUT_FOR_EPOCHS_TOKENS
+    brief = replace(many, non_embedding_params=3_000_000, tokens=0.99 * tokens, epochs=0.99 * tokens / corpus)
+    assert brief.epochs > threshold
+    assert sizing.with_dropout(brief, corpus, slowdown=1.3, weight_decay=repeated) == replace(brief, dropout=0.0)
+    longer = replace(brief, tokens=1.01 * tokens, epochs=1.01 * tokens / corpus)
+    assert sizing.with_dropout(longer, corpus, slowdown=1.3, weight_decay=repeated).dropout == sizing.DROPOUT_AT_BOUND
     assert sizing.with_dropout(replace(smaller, epochs=100.0), unique, weight_decay=None).dropout == 0.0
 
 
@@ -616,16 +619,16 @@ def test_a_time_plan_probes_dropout_where_it_could_pay_and_keeps_it_only_if_it_d
     assert many_epochs.weight_decay == sizing.REPEATED_WEIGHT_DECAY
     params = many_epochs.sizing["non_embedding_params"]
     assert sizing.DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN < params / 300_000 < sizing.DROPOUT_AT_BOUND_PARAMS_PER_TOKEN
-    assert params > sizing.DROPOUT_FOR_EPOCHS_PARAMS
+    assert many_epochs.sizing["tokens"] * 1.1 > sizing.DROPOUT_FOR_EPOCHS_TOKENS  # its undropped tokens
     assert many_epochs.sizing["dropout"] == sizing.DROPOUT_AT_BOUND
     assert _undropped_then(probed, sizing.DROPOUT_AT_BOUND)
     assert many_epochs.sizing["epochs"] * 1.1 > sizing.DROPOUT_AT_BOUND_EPOCHS  # its undropped epochs: ≥ 10
-    small = ModelConfig(size="auto", d_model=128, n_layers=1)  # as many per token and epochs, but a small model
-    small_in_itself, probed = planned(small, weight_decay=None)
-    params = small_in_itself.sizing["non_embedding_params"]
+    small = ModelConfig(size="auto", d_model=128, n_layers=1)  # as many per token and epochs, but few tokens
+    brief, probed = planned(small, weight_decay=None)
+    params = brief.sizing["non_embedding_params"]
     assert sizing.DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN < params / 20_000 < sizing.DROPOUT_AT_BOUND_PARAMS_PER_TOKEN
-    assert params < sizing.DROPOUT_FOR_EPOCHS_PARAMS and small_in_itself.sizing["epochs"] > 10
-    assert small_in_itself.sizing["dropout"] == 0.0 and set(probed) == {0.0}  # never worth a probe
+    assert brief.sizing["tokens"] < sizing.DROPOUT_FOR_EPOCHS_TOKENS and brief.sizing["epochs"] > 10
+    assert brief.sizing["dropout"] == 0.0 and set(probed) == {0.0}  # never worth a probe
     smallest, probed = planned(ModelConfig(size="auto", d_model=64, n_layers=1), weight_decay=None)
     assert smallest.sizing["non_embedding_params"] < sizing.DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN * 20_000
     assert smallest.sizing["epochs"] > sizing.DROPOUT_AT_BOUND_EPOCHS and smallest.weight_decay == 1.0
@@ -637,12 +640,12 @@ def test_a_time_plan_that_keeps_dropout_sizes_its_shape_again_at_dropouts_speed(
     (attention leaves the flash kernel), so that shape read tiny Shakespeare 6 times in 10 minutes where 11 were
     planned, and scored worse than 2 minutes (benchmarks/README.md). Where the plan keeps dropout it sizes the shape
     again at the speed its probes measure with dropout, as it sizes one for a dropout set in params.yaml; not where
-    dropout costs a step little (a GPU's), which would only spend the budget on probes. (An hour on 300,000 tokens:
-    the undropped choice, d320 x 4, reads them 10.4 times and is large enough to keep dropout for many epochs.)"""
+    dropout costs a step little (a GPU's), which would only spend the budget on probes. (Two hours on 300,000
+    tokens: the undropped choice, d320 x 6, reads them 13.9 times, 4.2M tokens, enough to keep dropout.)"""
     corpus, vocab = 300_000, 64
 
     def planned(model_cfg, slowdown=1.8, side_by_side=False):
-        train_cfg = TrainConfig(budget="3600s", batch_size=None, precision="fp32", attention="torch", eval_batches=2)
+        train_cfg = TrainConfig(budget="7200s", batch_size=None, precision="fp32", attention="torch", eval_batches=2)
         probed = []
 
         def step(model, train) -> float:  # a step's time follows its FLOPs; dropout slows it `slowdown`×
@@ -665,7 +668,7 @@ def test_a_time_plan_that_keeps_dropout_sizes_its_shape_again_at_dropouts_speed(
     assert _undropped_then(probed, sizing.DROPOUT_AT_BOUND)
     [undropped] = [m for m in null.sizing["measured"] if m["why"] == "the choice without dropout, dropout 0.2"]
     assert (undropped["shape"], undropped["batch_size"]) != (null.sizing["shape"], null.sizing["batch_size"])
-    assert null.sizing["epochs"] > 1.2 * undropped["tokens"] / corpus  # 9.5 epochs; that shape at its speed: 5.8
+    assert null.sizing["epochs"] > 1.2 * undropped["tokens"] / corpus  # 11.6 epochs; that shape at its speed: 7.7
     # Measured again side by side where shapes are near, at each round's dropout, the same speeds choose the same.
     again = planned(ModelConfig(size="auto"), side_by_side=True)[0].sizing
     assert (again["shape"], again["batch_size"], again["dropout"]) == \

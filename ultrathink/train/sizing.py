@@ -36,7 +36,7 @@ weight_decay_for), and at 10 minutes on two corpora the decay alone then measure
 (sizing_evidence.DROPOUT_OVER_DECAY). Beside that decay only a model of many parameters per unique token
 (DROPOUT_AT_BOUND_PARAMS_PER_TOKEN, about half the bound and more: where a budget is large beside its corpus), or a
 run planned for many epochs (DROPOUT_AT_BOUND_EPOCHS) by a model neither among the smallest per token
-(DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN) nor small in itself (DROPOUT_FOR_EPOCHS_PARAMS), keeps dropout, and more of it
+(DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN) nor trained briefly (DROPOUT_FOR_EPOCHS_TOKENS), keeps dropout, and more of it
 (DROPOUT_AT_BOUND): there the runs read the corpus 10-19 times and dropout 0.2 measured 0.01-0.11 bits/byte
 better.
 
@@ -116,15 +116,16 @@ DROPOUT_AT_BOUND_PARAMS_PER_TOKEN = 34.0
 # (sizing_evidence.dropout_epochs_threshold). A model of 3.6 per token read 12 times (tiny Shakespeare's 2-minute
 # shape) measured 0.015 worse with 0.2 at both seeds, even at equal steps, and through a 3-minute plan of that shape
 # 0.016-0.018 worse; the size is the geometric middle of 3.6 and 7.4 (sizing_evidence.dropout_for_epochs_threshold).
-# The model must also be one of at least DROPOUT_FOR_EPOCHS_PARAMS non-embedding parameters: the 2-minute plans of
-# two small corpora on a CPU (the embedded Python reference and tiny Shakespeare's first 500 KB) weighed models of
-# 1.8-2.2M, 9-17 per token, at 10-12 epochs, and the 0.2 the rule kept measured 0.09-0.14 bits/byte worse than the
-# plan without dropout (each seed); the paid runs above were of 5.1M and 8.1M (larger models overfit repeated text
-# sooner: Xue et al. 2023, "To Repeat or Not To Repeat"). Per token alone does not separate them: 7.4 paid, 17
-# lost. The size is the geometric middle of 2.2M and 5.1M (sizing_evidence.dropout_for_epochs_min_params).
+# The run must also be planned to train at least DROPOUT_FOR_EPOCHS_TOKENS tokens (at the speed without dropout):
+# the 2- and 5-minute plans of two small corpora on a CPU (the embedded Python reference and tiny Shakespeare's
+# first 500 KB) weighed 1.6-2.3M tokens at 10-12 epochs, 9-27 per token, and the 0.2 the rule kept measured
+# 0.009-0.14 bits/byte worse than the plan without dropout at every seed; the paid runs above trained 4.6M and
+# 7.4M (the tiny Shakespeare one memorised its corpus only late in its decay). Neither per token (7.4 paid, 27
+# lost) nor the model's size (5.1M both paid and lost) separates them. The tokens are the geometric middle of
+# 2.3M and 4.6M (sizing_evidence.dropout_for_epochs_min_tokens).
 DROPOUT_AT_BOUND_EPOCHS = 10.0
 DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN = 5.2
-DROPOUT_FOR_EPOCHS_PARAMS = 3_400_000
+DROPOUT_FOR_EPOCHS_TOKENS = 3_200_000
 # Predicted losses this close (relative) are a tie: the fit cannot tell them apart, and a measured throughput that
 # moves with the machine's load would otherwise pick either. A tie goes to the cheaper shape (fewer FLOPs per
 # token, then fewer parameters): more steps in the same budget.
@@ -362,10 +363,11 @@ def with_dropout(sized: "Sizing", corpus_tokens: int, slowdown: float = 1.0,
     REPEATED_WEIGHT_DECAY or more (`weight_decay`: train.weight_decay's; null: weight_decay_for the sized epochs)
     that decay regularises the repeated text instead: dropout on top of it measured no better where dropout had
     paid beside the base decay (sizing_evidence.DROPOUT_OVER_DECAY), so there only a model of
-    DROPOUT_AT_BOUND_PARAMS_PER_TOKEN or more, or a run of DROPOUT_AT_BOUND_EPOCHS or more (`sized.epochs`, at the
-    speed without dropout) by one of DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN and DROPOUT_FOR_EPOCHS_PARAMS or more,
-    keeps dropout, DROPOUT_AT_BOUND, at the tokens its slowdown leaves (decided by those runs, not by the law: its
-    repeat discount for dropout was fitted beside the base decay)."""
+    DROPOUT_AT_BOUND_PARAMS_PER_TOKEN or more, or a run of DROPOUT_AT_BOUND_EPOCHS and DROPOUT_FOR_EPOCHS_TOKENS
+    or more (`sized.epochs` and `.tokens`, at the speed without dropout) by one of
+    DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN or more, keeps dropout, DROPOUT_AT_BOUND, at the tokens its slowdown
+    leaves (decided by those runs, not by the law: its repeat discount for dropout was fitted beside the base
+    decay)."""
     decay = weight_decay_for(sized.epochs) if weight_decay is None else weight_decay
     dropped = sized.tokens / max(1.0, slowdown)
     if decay >= REPEATED_WEIGHT_DECAY:
@@ -373,7 +375,7 @@ def with_dropout(sized: "Sizing", corpus_tokens: int, slowdown: float = 1.0,
             return sized.non_embedding_params >= per_token * corpus_tokens
         at_bound = (at_least(DROPOUT_AT_BOUND_PARAMS_PER_TOKEN)
                     or (sized.epochs >= DROPOUT_AT_BOUND_EPOCHS and at_least(DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN)
-                        and sized.non_embedding_params >= DROPOUT_FOR_EPOCHS_PARAMS))
+                        and sized.tokens >= DROPOUT_FOR_EPOCHS_TOKENS))
         if not at_bound:
             return replace(sized, dropout=0.0)
         return replace(sized, dropout=DROPOUT_AT_BOUND, tokens=dropped, epochs=dropped / corpus_tokens)

@@ -511,6 +511,10 @@ class DropoutForEpochs:
         return self.non_embedding_params / self.corpus_tokens
 
     @property
+    def tokens(self) -> float:
+        return self.epochs * self.corpus_tokens
+
+    @property
     def undropped(self) -> float:
         return statistics.fmean(self.undropped_runs)
 
@@ -543,11 +547,11 @@ DROPOUT_FOR_EPOCHS_SMALL: tuple[DropoutForEpochs, ...] = (
 
 ZEN4 = "2 cores of an AMD EPYC Zen 4 (AVX512-BF16), bf16"
 
-# Small models of many parameters per token read many times in a short budget: the 2-minute plans of two small
-# corpora on ZEN4 (2026-12-04, sixty-third and sixty-fourth sessions), where the rule as it was (10 epochs, 5.2 per
-# token) kept 0.2 (`budget_quality.py --budget 2min`: its defaults), against the plan without dropout at the same
-# seed (`--set model.dropout=0`). `epochs` and the size are the undropped sizing the rule weighed (the plan then
-# sized its shape again at dropout's speed, 1.3x a step: fewer epochs). Dropout measured worse at every seed.
+# Short runs of many epochs: the 2- and 5-minute plans of two small corpora on ZEN4 (2026-12-04, sixty-third and
+# sixty-fourth sessions), where the rule as it was (10 epochs, 5.2 per token) kept 0.2 (`budget_quality.py --budget
+# 2min|5min`: its defaults), against the plan without dropout at the same seed (`--set model.dropout=0`). `epochs`
+# and the size are the undropped sizing the rule weighed (the plan then sized its shape again at dropout's speed,
+# 1.3x a step: fewer epochs). Dropout measured worse at every seed.
 DROPOUT_FOR_EPOCHS_SHORT: tuple[DropoutForEpochs, ...] = (
     DropoutForEpochs("the embedded Python reference, seeds 1337 and 1",
                      "d256x3 seq 256 batch 4, 1516 steps / batch 8, 799; d192x4 batch 8, 1017 / d256x3 seq 256 "
@@ -557,6 +561,9 @@ DROPOUT_FOR_EPOCHS_SHORT: tuple[DropoutForEpochs, ...] = (
     DropoutForEpochs("tiny Shakespeare, first 500 KB, seed 1337", "d256x3 seq 256 batch 8, 726 steps; d192x3 batch 8, "
                      "1253 (weighed: d192x4 batch 16 at 10.1 epochs)", 1_923_072 / 189_585, 1_771_712, 189_585,
                      (2.3301,), (2.4302,)),
+    DropoutForEpochs("tiny Shakespeare, first 500 KB, 5 minutes, seeds 1337 and 1", "d320x4 seq 256 batch 8, 1034 / "
+                     "1113 steps; d320x4 seq 256 batch 8, 678 / 714 (weighed: d320x4 batch 8 at 12.2 / 11.1 epochs)",
+                     2_310_144 / 189_585, 5_082_432, 189_585, (2.3252, 2.2972), (2.3341, 2.3346)),
 )
 
 
@@ -582,15 +589,13 @@ def dropout_for_epochs_threshold(paid: tuple[DropoutForEpochs, ...] = DROPOUT_FO
                           "dropout for many epochs")
 
 
-def dropout_for_epochs_min_params(paid: tuple[DropoutForEpochs, ...] = DROPOUT_FOR_EPOCHS,
+def dropout_for_epochs_min_tokens(paid: tuple[DropoutForEpochs, ...] = DROPOUT_FOR_EPOCHS,
                                   erred: tuple[DropoutForEpochs, ...] = DROPOUT_FOR_EPOCHS_SHORT) -> float:
-    """Non-embedding parameters from which a run of many epochs keeps dropout: the geometric middle (2 figures) of
-    the gap between the largest model whose dropout for many epochs measured worse at every seed and the smallest
-    whose measured better. Raises where the runs do not separate."""
-    return _middle_of_gap(max(c.non_embedding_params for c in erred
-                              if all(d > u for d, u in zip(c.dropped_runs, c.undropped_runs))),
-                          min(c.non_embedding_params for c in paid if c.dropped < c.undropped),
-                          "dropout for many epochs", "non-embedding parameters")
+    """Planned training tokens from which a run of many epochs keeps dropout: the geometric middle (2 figures) of
+    the gap between the most at which dropout for many epochs measured worse at every seed and the fewest at which
+    it measured better. Raises where the runs do not separate."""
+    return _middle_of_gap(max(c.tokens for c in erred if all(d > u for d, u in zip(c.dropped_runs, c.undropped_runs))),
+                          min(c.tokens for c in paid if c.dropped < c.undropped), "dropout for many epochs", "tokens")
 
 
 def dropout_at_bound_threshold(paid: tuple[DropoutAtBound, ...] = DROPOUT_AT_BOUND,
