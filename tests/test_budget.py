@@ -512,7 +512,7 @@ def test_a_run_of_many_epochs_keeps_more_dropout_beside_the_repeated_texts_decay
     # The short plans' runs are ones the rule before kept dropout for; neither per token nor the model's size tells
     # them from the runs where it paid: the tokens trained do.
     assert all(c.epochs >= threshold and c.params_per_token >= per_token for c in DROPOUT_FOR_EPOCHS_SHORT)
-    assert all(d > u for c in DROPOUT_FOR_EPOCHS_SHORT for d, u in zip(c.dropped_runs, c.undropped_runs))
+    assert all(c.worse_at_every_seed for c in DROPOUT_FOR_EPOCHS_SHORT)
     assert (max(c.params_per_token for c in DROPOUT_FOR_EPOCHS_SHORT)
             > min(c.params_per_token for c in DROPOUT_FOR_EPOCHS))
     assert (max(c.non_embedding_params for c in DROPOUT_FOR_EPOCHS_SHORT)
@@ -522,7 +522,7 @@ def test_a_run_of_many_epochs_keeps_more_dropout_beside_the_repeated_texts_decay
         dropout_for_epochs_min_tokens(erred=(replace(DROPOUT_FOR_EPOCHS_SHORT[0], epochs=50.0),))
     assert all(c.dropped < c.undropped and c.epochs > threshold for c in DROPOUT_FOR_EPOCHS)
     assert all(c.epochs > threshold and c.params_per_token < per_token for c in DROPOUT_FOR_EPOCHS_SMALL)
-    assert all(d > u for c in DROPOUT_FOR_EPOCHS_SMALL for d, u in zip(c.dropped_runs, c.undropped_runs))
+    assert all(c.worse_at_every_seed for c in DROPOUT_FOR_EPOCHS_SMALL)
     assert min(c.params_per_token for c in DROPOUT_FOR_EPOCHS) > per_token
     with pytest.raises(ValueError, match="no threshold separates them"):  # worse above where it was better
         dropout_for_epochs_threshold(erred=(replace(DROPOUT_FOR_EPOCHS_SMALL[0],
@@ -574,7 +574,7 @@ def test_a_time_plan_probes_dropout_where_it_could_pay_and_keeps_it_only_if_it_d
     steps then come from the probe of what was chosen. A dropout set in params.yaml is probed from the first probe
     on, and a budget too short for dropout to pay probes none. All beside the base weight decay: where the plan
     picks the repeated-text decay (null, many epochs) dropout is weighed only for a model at the bound's end
-    (DROPOUT_AT_BOUND_PARAMS_PER_TOKEN or more) or a run of many epochs by a model not small, and there kept, at
+    (DROPOUT_AT_BOUND_PARAMS_PER_TOKEN or more) or a run of many epochs and many tokens, and there kept, at
     DROPOUT_AT_BOUND. Dropout kept, the shape is sized again with probes at dropout where it slows a step (the
     next test)."""
     def planned(model_cfg, budget="20s", cost=0.1, weight_decay=sizing.WEIGHT_DECAY, tokens=20_000):

@@ -515,6 +515,10 @@ class DropoutForEpochs:
         return self.epochs * self.corpus_tokens
 
     @property
+    def worse_at_every_seed(self) -> bool:
+        return all(d > u for d, u in zip(self.dropped_runs, self.undropped_runs))
+
+    @property
     def undropped(self) -> float:
         return statistics.fmean(self.undropped_runs)
 
@@ -556,8 +560,7 @@ DROPOUT_FOR_EPOCHS_SHORT: tuple[DropoutForEpochs, ...] = (
     DropoutForEpochs("the embedded Python reference, seeds 1337 and 1",
                      "d256x3 seq 256 batch 4, 1516 steps / batch 8, 799; d192x4 batch 8, 1017 / d256x3 seq 256 "
                      "batch 8, 399 (weighed: d256x3 batch 8 at 11.8 / 12.1 epochs)", 1_564_672 / 133_105, 2_214_016,
-                     133_105,
-                     (1.5463, 1.5420), (1.6342, 1.6843)),
+                     133_105, (1.5463, 1.5420), (1.6342, 1.6843)),
     DropoutForEpochs("tiny Shakespeare, first 500 KB, seed 1337", "d256x3 seq 256 batch 8, 726 steps; d192x3 batch 8, "
                      "1253 (weighed: d192x4 batch 16 at 10.1 epochs)", 1_923_072 / 189_585, 1_771_712, 189_585,
                      (2.3301,), (2.4302,)),
@@ -583,8 +586,7 @@ def dropout_for_epochs_threshold(paid: tuple[DropoutForEpochs, ...] = DROPOUT_FO
     """Non-embedding parameters per unique token from which a run of many epochs keeps dropout: the geometric
     middle (2 figures) of the gap between the most at which dropout for many epochs measured worse at every seed and
     the fewest at which it measured better. Raises where the runs do not separate."""
-    return _middle_of_gap(max(c.params_per_token for c in erred
-                              if all(d > u for d, u in zip(c.dropped_runs, c.undropped_runs))),
+    return _middle_of_gap(max(c.params_per_token for c in erred if c.worse_at_every_seed),
                           min(c.params_per_token for c in paid if c.dropped < c.undropped),
                           "dropout for many epochs")
 
@@ -594,7 +596,7 @@ def dropout_for_epochs_min_tokens(paid: tuple[DropoutForEpochs, ...] = DROPOUT_F
     """Planned training tokens from which a run of many epochs keeps dropout: the geometric middle (2 figures) of
     the gap between the most at which dropout for many epochs measured worse at every seed and the fewest at which
     it measured better. Raises where the runs do not separate."""
-    return _middle_of_gap(max(c.tokens for c in erred if all(d > u for d, u in zip(c.dropped_runs, c.undropped_runs))),
+    return _middle_of_gap(max(c.tokens for c in erred if c.worse_at_every_seed),
                           min(c.tokens for c in paid if c.dropped < c.undropped), "dropout for many epochs", "tokens")
 
 
