@@ -103,11 +103,13 @@ DROPOUT_MIN_PARAMS_PER_TOKEN = 3.7
 # Beside the repeated-text decay, a model of at least this many non-embedding parameters per unique training token
 # (the law's pick when a budget is large beside its corpus: a GPU's minutes, a small corpus on a CPU) trains with
 # DROPOUT_AT_BOUND, and no smaller one with any: at 53-66 per token 0.2 measured 0.04-0.11 bits/byte better than
-# none on two slices at two seeds, and on an H200 0.018 better (0.1 there 0.019 worse, one seed); beside the same
-# decay 0.1 measured worse at 10 and 21 per token (sizing_evidence.DROPOUT_AT_BOUND, .DROPOUT_OVER_DECAY). The
-# threshold is the geometric middle of that gap (sizing_evidence.dropout_at_bound_threshold).
+# none on three slices at two seeds, and on an H200 0.018 better (0.1 there 0.019 worse, one seed); at 10 minutes on
+# a CPU a plan that kept it (d320 x 5, 34 per token) 0.008-0.070 better than the plan without it at two seeds.
+# Beside the same decay 0.1 measured worse at 10 and 21 per token, and 0.2 at every seed at up to 27 (5 minutes,
+# the next rule's short runs) (sizing_evidence.DROPOUT_AT_BOUND, .DROPOUT_OVER_DECAY, .DROPOUT_FOR_EPOCHS_SHORT).
+# The threshold is the geometric middle of that gap (sizing_evidence.dropout_at_bound_threshold).
 DROPOUT_AT_BOUND = 0.2
-DROPOUT_AT_BOUND_PARAMS_PER_TOKEN = 34.0
+DROPOUT_AT_BOUND_PARAMS_PER_TOKEN = 30.0
 # ... and so does a run planned to read its corpus at least this many times, by a model of at least
 # DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN: at 10 minutes on tiny Shakespeare (12 epochs, 22 per token) the decay without
 # dropout memorised the corpus (validation loss up, training loss 2.73 to 1.82 nats) and scored 0.107 bits/byte worse
