@@ -104,7 +104,7 @@ DROPOUT_MIN_PARAMS_PER_TOKEN = 3.7
 # (the law's pick when a budget is large beside its corpus: a GPU's minutes, a small corpus on a CPU) trains with
 # DROPOUT_AT_BOUND, and no smaller one with any: at 53-66 per token 0.2 measured 0.04-0.11 bits/byte better than
 # none on three slices at two seeds, and on an H200 0.018 better (0.1 there 0.019 worse, one seed); at 10 minutes on
-# a CPU a plan that kept it (d320 x 5, 34 per token) 0.008-0.070 better than the plan without it at two seeds.
+# a CPU a plan that kept it (d320 x 5, 34 per token) 0.008-0.070 better than the plan without it at three seeds.
 # Beside the same decay 0.1 measured worse at 10 and 21 per token, and 0.2 at every seed at up to 27 (5 minutes,
 # the next rule's short runs) (sizing_evidence.DROPOUT_AT_BOUND, .DROPOUT_OVER_DECAY, .DROPOUT_FOR_EPOCHS_SHORT).
 # The threshold is the geometric middle of that gap (sizing_evidence.dropout_at_bound_threshold).
