@@ -407,6 +407,11 @@ def dropout_threshold(repeat_decay: float, dropout_decay: float, sweeps: tuple[S
     return _middle_of_gap(max(erred, default=0.0), min(paid), "the law kept dropout that")
 
 
+def _at_every_seed(dropped: tuple[float, ...], undropped: tuple[float, ...], worse: bool) -> bool:
+    """Whether the runs with dropout measured worse (`worse`) or better than those without it at every seed."""
+    return all(d > u if worse else d < u for d, u in zip(dropped, undropped))
+
+
 def _middle_of_gap(worse: float, better: float, who: str, unit: str = "parameters per token") -> float:
     """The geometric middle (2 figures) of the `unit` between `worse`, the most at which dropout measured worse,
     and `better`, the fewest at which it measured better; raises where they do not separate."""
@@ -481,11 +486,11 @@ class DropoutAtBound:
 
     @property
     def better_at_every_seed(self) -> bool:
-        return all(d < u for d, u in zip(self.dropped, self.undropped))
+        return _at_every_seed(self.dropped, self.undropped, worse=False)
 
     @property
     def worse_at_every_seed(self) -> bool:
-        return all(d > u for d, u in zip(self.dropped, self.undropped))
+        return _at_every_seed(self.dropped, self.undropped, worse=True)
 
 
 # 2026-11-28, twenty-fifth session: the slices of the sweeps above at 2 minutes (seeds 1337 and 1; with dropout the
@@ -531,7 +536,7 @@ class DropoutForEpochs:
 
     @property
     def worse_at_every_seed(self) -> bool:
-        return all(d > u for d, u in zip(self.dropped_runs, self.undropped_runs))
+        return _at_every_seed(self.dropped_runs, self.undropped_runs, worse=True)
 
     @property
     def undropped(self) -> float:
