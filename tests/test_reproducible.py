@@ -103,9 +103,9 @@ def test_the_committed_lock_and_plan_book_are_what_a_fresh_clone_rebuilds_and_re
     trains the locked bytes. A change to any of them committed without a reference run (a fresh clone's `make run`,
     its dvc.lock, plan book and reports committed) fails here: from 2026-11-27 to 2026-12-03 the lock's train
     outputs were an older code's, and from 2026-11-29 the book held no plan for the shipped configuration. So does
-    a change to a file the train stage's deps name but its fingerprint does not (ultrathink/train is a directory;
-    sizing_evidence.py, which nothing trained imports, is in it): on 2026-12-04 such a change left `dvc repro`
-    retraining a fresh clone."""
+    a change to a file the train stage's deps name but its fingerprint does not: on 2026-12-04, when the deps named
+    ultrathink/train as a directory, an edit of sizing_evidence.py (which nothing trained imports) left `dvc repro`
+    retraining a fresh clone (the deps are now exactly the closure: test_lineage)."""
     project = make_project(tmp_path, tiny=False)
     sh(["dvc", "repro", "prepare"], project)
     status = sh(["dvc", "status", "validate", "tokenizer", "prepare"], project)
