@@ -499,7 +499,7 @@ def test_a_model_at_the_bound_keeps_more_dropout_beside_the_repeated_texts_decay
     assert chosen.tokens == pytest.approx(saturating) and chosen.tokens > 2.5 * undropped.tokens
 
 
-def test_a_run_of_many_epochs_keeps_more_dropout_beside_the_repeated_texts_decay_unless_its_model_is_small():
+def test_a_run_of_many_epochs_keeps_more_dropout_beside_the_repeated_texts_decay_unless_small_or_brief():
     """Beside the repeated-text decay a run planned for DROPOUT_AT_BOUND_EPOCHS or more keeps DROPOUT_AT_BOUND
     from DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN and DROPOUT_FOR_EPOCHS_TOKENS up, far below the bound's
     DROPOUT_AT_BOUND_PARAMS_PER_TOKEN; one just below any keeps none. The thresholds are the ones the runs fit:
