@@ -2,13 +2,15 @@
 exactly that code for every stage, and the checkpoint fingerprint's code hash moves with exactly that code."""
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from e2e_helpers import sh
 from ultrathink.finetune.sft import FINETUNE_CODE
-from ultrathink.lineage import PROJECT_ROOT, TRAINING_CODE, code_hash, module_closure
+from ultrathink.lineage import PROJECT_ROOT, TRAINING_CODE, code_hash, module_closure, undeclared_code
 
 STAGES = yaml.safe_load((PROJECT_ROOT / "dvc.yaml").read_text())["stages"]
 
@@ -89,3 +91,38 @@ def test_the_closure_follows_function_level_and_relative_imports(project_copy):
     assert {"ultrathink/extra/__init__.py", "ultrathink/extra/side.py", "ultrathink/extra/deep.py"} <= closure
     with pytest.raises(ModuleNotFoundError, match="tasks.nothing"):
         module_closure("tasks.nothing", project_copy)
+
+
+def add_module_to_the_model(project: Path) -> None:
+    """A user's new module, imported by the model every stage that loads one runs."""
+    (project / "ultrathink/model/extra.py").write_text("SCALE = 1.0\n")
+    with (project / "ultrathink/model/model.py").open("a") as f:
+        f.write("\nfrom ultrathink.model.extra import SCALE  # noqa: E402,F401\n")
+
+
+def test_a_module_dvc_yaml_does_not_name_is_reported_for_each_stage_that_runs_it(project_copy):
+    assert undeclared_code("tasks.train", project_copy) == {}  # no dvc.yaml: nothing to check against
+    shutil.copy(PROJECT_ROOT / "dvc.yaml", project_copy / "dvc.yaml")
+    assert undeclared_code("tasks.train", project_copy) == undeclared_code("tasks.validate", project_copy) == {}
+    add_module_to_the_model(project_copy)
+    assert undeclared_code("tasks.train", project_copy) == {"train": ["ultrathink/model/extra.py"]}
+    assert undeclared_code("tasks.evaluate", project_copy) == {"evaluate": ["ultrathink/model/extra.py"]}
+    assert undeclared_code("tasks.validate", project_copy) == {}  # the corpus gate loads no model
+    dvc_yaml = project_copy / "dvc.yaml"
+    stages = yaml.safe_load(dvc_yaml.read_text())
+    stages["stages"]["train"]["deps"].append("ultrathink/model")  # a folder above the module names it too
+    dvc_yaml.write_text(yaml.safe_dump(stages, sort_keys=False))
+    assert undeclared_code("tasks.train", project_copy) == {}
+
+
+def test_a_stage_whose_deps_leave_out_code_it_runs_stops_before_it_reads_or_writes_anything(project_copy):
+    """What dvc repro runs refuses to train when dvc.yaml would not re-run it on an edit of the module: exit 2, the
+    module and the fix named, no log, plan or model written."""
+    for name in ("dvc.yaml", "params.yaml"):
+        shutil.copy(PROJECT_ROOT / name, project_copy / name)
+    add_module_to_the_model(project_copy)
+    done = sh([sys.executable, "-m", "tasks.train"], project_copy, check=False)
+    assert done.returncode == 2, done.stderr
+    assert ("error: dvc.yaml's train stage runs code its deps do not name, so DVC would not re-run it when that "
+            "code changes: ultrathink/model/extra.py; add them to the stage's deps") in done.stderr
+    assert sorted(p.name for p in project_copy.iterdir()) == ["dvc.yaml", "params.yaml", "tasks", "ultrathink"]

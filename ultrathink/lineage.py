@@ -7,6 +7,8 @@ import ast
 import subprocess
 from pathlib import Path
 
+import yaml
+
 from ultrathink.config import Params
 from ultrathink.config.fingerprint import params_hash
 from ultrathink.hashing import directory_hash, files_hash
@@ -79,6 +81,27 @@ def module_closure(entry: str, root: Path = PROJECT_ROOT) -> list[Path]:
         raise ModuleNotFoundError(f"{entry}: no such module under {root}")
     paths = {file for path in found.values() for file in companion_files(path)} | set(found.values())
     return sorted(path.relative_to(root) for path in paths)
+
+
+def undeclared_code(entry: str, root: Path = PROJECT_ROOT) -> dict[str, list[str]]:
+    """For each stage of root's dvc.yaml whose command is `python -m <entry>`: the files that process runs (its
+    module closure) which the stage's deps name neither themselves nor by a folder above them. DVC re-runs a stage
+    only when a dep changes, so an edit of one of these would leave the stage's outputs up to date in its eyes.
+    Empty when there is no dvc.yaml or no such stage."""
+    dvc_yaml = root / "dvc.yaml"
+    if not dvc_yaml.is_file():
+        return {}
+    stages = (yaml.safe_load(dvc_yaml.read_text()) or {}).get("stages") or {}
+    runs_entry = {name: stage for name, stage in stages.items()
+                  if isinstance(stage.get("cmd"), str) and stage["cmd"].split()[:3] == ["python", "-m", entry]}
+    if not runs_entry:
+        return {}
+    closure, undeclared = module_closure(entry, root), {}
+    for name, stage in runs_entry.items():
+        deps = [Path(dep if isinstance(dep, str) else next(iter(dep))) for dep in stage.get("deps") or []]
+        if missing := [str(path) for path in closure if not any(dep == path or dep in path.parents for dep in deps)]:
+            undeclared[name] = missing
+    return undeclared
 
 
 def code_hash(entry: str = TRAINING_CODE, root: Path = PROJECT_ROOT) -> str:

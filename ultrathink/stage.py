@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ultrathink.config import Params, ParamsError, load_params
 from ultrathink.errors import StageError
+from ultrathink.lineage import undeclared_code
 
 OUR_LOGGERS = ("ultrathink",)
 
@@ -46,14 +47,20 @@ def _record_in_rank(exc: Exception) -> None:
 
 
 def stage_entry(name: str, run: Callable[[Params], None]) -> None:
-    """`python -m tasks.<name> [--params P] [--set K=V]...`: the params checked by the schema (a bad key or value
-    exits 2, naming it), then the stage."""
+    """`python -m tasks.<name> [--params P] [--set K=V]...`: the stage's code checked against its deps in dvc.yaml
+    (a module the stage imports that they leave out exits 2, naming it: DVC would not see it change), the params
+    checked by the schema (a bad key or value exits 2, naming it), then the stage."""
     log_to_stderr()
     parser = argparse.ArgumentParser(prog=f"python -m tasks.{name}")
     parser.add_argument("--params", "-p", type=Path, default=Path("params.yaml"), help="params file")
     parser.add_argument("--set", "-S", action="append", dest="overrides", metavar="KEY=VALUE",
                         help="override a knob, e.g. -S train.lr=3e-4 (see `ultrathink params`)")
     args = parser.parse_args()
+    if undeclared := undeclared_code(f"tasks.{name}"):
+        for stage, files in undeclared.items():
+            print(f"error: dvc.yaml's {stage} stage runs code its deps do not name, so DVC would not re-run it when "
+                  f"that code changes: {', '.join(files)}; add them to the stage's deps", file=sys.stderr)
+        sys.exit(2)
     try:
         params = load_params(args.params, args.overrides)
     except ParamsError as exc:
