@@ -276,10 +276,8 @@ class ModelConfig(Section):
                                   "with_dropout): off for a few passes over the corpus, where it only costs steps, "
                                   "on for many, where the model overfits without it. Beside a weight decay of 1.0 "
                                   "or more (train.weight_decay null plans it for many passes), which regularises "
-                                  "better, 0.2 only for a model of many parameters per token (30 or more) or a "
-                                  "run planned for 10 passes and 5.5M tokens or more by one of 5.2 or more, else "
-                                  "none "
-                                  "(benchmarks/README.md)")
+                                  "better, 0.2 only for a model of many parameters per token (30 or more), else "
+                                  "none, however many passes (benchmarks/README.md)")
     init_std: float = Field(0.02, gt=0)
     moe: MoEConfig = MoEConfig()
     dre: DREConfig = DREConfig()

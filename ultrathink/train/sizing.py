@@ -34,11 +34,10 @@ epochs) 0.07–0.11 better, where without it 10 minutes measured worse than 2. D
 decay below REPEATED_WEIGHT_DECAY: the plan gives a run of many epochs that decay (train.weight_decay null,
 weight_decay_for), and at 10 minutes on two corpora the decay alone then measured better than with dropout added
 (sizing_evidence.DROPOUT_OVER_DECAY). Beside that decay only a model of many parameters per unique token
-(DROPOUT_AT_BOUND_PARAMS_PER_TOKEN, about half the bound and more: where a budget is large beside its corpus), or a
-run planned for many epochs (DROPOUT_AT_BOUND_EPOCHS) by a model neither among the smallest per token
-(DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN) nor trained briefly (DROPOUT_FOR_EPOCHS_TOKENS), keeps dropout, and more of it
-(DROPOUT_AT_BOUND): there the runs read the corpus 10-19 times and dropout 0.2 measured 0.01-0.11 bits/byte
-better.
+(DROPOUT_AT_BOUND_PARAMS_PER_TOKEN, about half the bound and more: where a budget is large beside its corpus) keeps
+dropout, and more of it (DROPOUT_AT_BOUND): there dropout 0.2 measured 0.01-0.11 bits/byte better. Reading the
+corpus many times is not enough: below that bound 0.2 measured worse at every seed however many epochs a run read
+(sizing_evidence.DROPOUT_FOR_EPOCHS).
 
 The batch is the one that gives about TARGET_STEPS optimizer steps (a power of two of sequences, at least
 MIN_BATCH): small budgets need many small steps more than large batches. A budget that buys more tokens than its
@@ -105,29 +104,15 @@ DROPOUT_MIN_PARAMS_PER_TOKEN = 3.7
 # DROPOUT_AT_BOUND, and no smaller one with any: at 53-66 per token 0.2 measured 0.04-0.11 bits/byte better than
 # none on three slices at two seeds, and on an H200 0.018 better (0.1 there 0.019 worse, one seed); at 10 minutes on
 # a CPU a plan that kept it (d320 x 5, 34 per token) 0.008-0.070 better than the plan without it at three seeds.
-# Beside the same decay 0.1 measured worse at 10 and 21 per token, and 0.2 at every seed at up to 27 (5 minutes,
-# the next rule's short runs) (sizing_evidence.DROPOUT_AT_BOUND, .DROPOUT_OVER_DECAY, .DROPOUT_FOR_EPOCHS_SHORT).
-# The threshold is the geometric middle of that gap (sizing_evidence.dropout_at_bound_threshold).
+# Beside the same decay 0.1 measured worse at 10 and 21 per token, and 0.2 at every seed at up to 27, in runs that
+# read their corpus 8-13 times (sizing_evidence.DROPOUT_AT_BOUND, .DROPOUT_OVER_DECAY, .DROPOUT_FOR_EPOCHS). The
+# threshold is the geometric middle of that gap (sizing_evidence.dropout_at_bound_threshold). Many epochs alone
+# keep none: a rule that kept 0.2 from 10 planned epochs (by a model of 5.2 per token and 5.5M planned tokens)
+# rested on one run, 10 minutes of WikiText-2 measured before the weight average and the output's temperature;
+# under them the same corpus, at its shape and about its epochs, measured 0.027-0.029 worse with it at two seeds
+# (sizing_evidence.DROPOUT_FOR_EPOCHS).
 DROPOUT_AT_BOUND = 0.2
 DROPOUT_AT_BOUND_PARAMS_PER_TOKEN = 30.0
-# ... and so does a run planned to read its corpus at least this many times, by a model of at least
-# DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN: at 10 minutes on WikiText-2 (11 epochs, 7.4 per token) the plan without
-# dropout scored 0.013 bits/byte worse than with 0.2 (and on tiny Shakespeare, 12 epochs, 0.107 worse, before the
-# weight average and the output's temperature; under them it measured better: below). 0.1 beside the same decay had
-# measured worse at 7 and 9 epochs. The threshold is the geometric middle of that gap
-# (sizing_evidence.dropout_epochs_threshold). A model of 3.6 per token read 12 times (tiny Shakespeare's 2-minute
-# shape) measured 0.015 worse with 0.2 at both seeds, even at equal steps, and through a 3-minute plan of that shape
-# 0.016-0.018 worse; the size is the geometric middle of 3.6 and 7.4 (sizing_evidence.dropout_for_epochs_threshold).
-# The run must also be planned to train at least DROPOUT_FOR_EPOCHS_TOKENS tokens (at the speed without dropout):
-# the 2- and 5-minute plans of two small corpora on a CPU (the embedded Python reference and tiny Shakespeare's
-# first 500 KB) weighed 1.6-2.3M tokens at 10-12 epochs, 9-27 per token, and 10 minutes of tiny Shakespeare 4.1M
-# (4.7M at a second seed) at 11 epochs, 14 per token; the 0.2 the rule kept measured 0.009-0.14 bits/byte worse
-# than the plan without dropout at every seed; the paid run above trained 7.4M. Neither per token (7.4 paid, 27
-# lost) nor the model's size (5.1M both paid and lost) separates them. The tokens are the geometric middle of
-# 4.1M and 7.4M (sizing_evidence.dropout_for_epochs_min_tokens).
-DROPOUT_AT_BOUND_EPOCHS = 10.0
-DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN = 5.2
-DROPOUT_FOR_EPOCHS_TOKENS = 5_500_000
 # Predicted losses this close (relative) are a tie: the fit cannot tell them apart, and a measured throughput that
 # moves with the machine's load would otherwise pick either. A tie goes to the cheaper shape (fewer FLOPs per
 # token, then fewer parameters): more steps in the same budget.
@@ -365,20 +350,12 @@ def with_dropout(sized: "Sizing", corpus_tokens: int, slowdown: float = 1.0,
     REPEATED_WEIGHT_DECAY or more (`weight_decay`: train.weight_decay's; null: weight_decay_for the sized epochs)
     that decay regularises the repeated text instead: dropout on top of it measured no better where dropout had
     paid beside the base decay (sizing_evidence.DROPOUT_OVER_DECAY), so there only a model of
-    DROPOUT_AT_BOUND_PARAMS_PER_TOKEN or more, or a run of DROPOUT_AT_BOUND_EPOCHS and DROPOUT_FOR_EPOCHS_TOKENS
-    or more (`sized.epochs` and `.tokens`, at the speed without dropout) by one of
-    DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN or more, keeps dropout, DROPOUT_AT_BOUND, at the tokens its slowdown
-    leaves (decided by those runs, not by the law: its repeat discount for dropout was fitted beside the base
-    decay)."""
+    DROPOUT_AT_BOUND_PARAMS_PER_TOKEN or more keeps dropout, DROPOUT_AT_BOUND, at the tokens its slowdown leaves
+    (decided by those runs, not by the law: its repeat discount for dropout was fitted beside the base decay)."""
     decay = weight_decay_for(sized.epochs) if weight_decay is None else weight_decay
     dropped = sized.tokens / max(1.0, slowdown)
     if decay >= REPEATED_WEIGHT_DECAY:
-        def at_least(per_token: float) -> bool:
-            return sized.non_embedding_params >= per_token * corpus_tokens
-        at_bound = (at_least(DROPOUT_AT_BOUND_PARAMS_PER_TOKEN)
-                    or (sized.epochs >= DROPOUT_AT_BOUND_EPOCHS and at_least(DROPOUT_FOR_EPOCHS_PARAMS_PER_TOKEN)
-                        and sized.tokens >= DROPOUT_FOR_EPOCHS_TOKENS))
-        if not at_bound:
+        if sized.non_embedding_params < DROPOUT_AT_BOUND_PARAMS_PER_TOKEN * corpus_tokens:
             return replace(sized, dropout=0.0)
         return replace(sized, dropout=DROPOUT_AT_BOUND, tokens=dropped, epochs=dropped / corpus_tokens)
     if not dropout_pays(sized.non_embedding_params, sized.tokens, dropped, corpus_tokens):
