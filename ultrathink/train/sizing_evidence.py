@@ -412,11 +412,11 @@ def _at_every_seed(dropped: tuple[float, ...], undropped: tuple[float, ...], wor
     return all(d > u if worse else d < u for d, u in zip(dropped, undropped))
 
 
-def _middle_of_gap(worse: float, better: float, who: str, unit: str = "parameters per token") -> float:
-    """The geometric middle (2 figures) of the `unit` between `worse`, the most at which dropout measured worse,
-    and `better`, the fewest at which it measured better; raises where they do not separate."""
+def _middle_of_gap(worse: float, better: float, who: str) -> float:
+    """The geometric middle (2 figures) of the parameters per token between `worse`, the most at which dropout
+    measured worse, and `better`, the fewest at which it measured better; raises where they do not separate."""
     if worse >= better:
-        raise ValueError(f"{who} measured worse at {worse:.1f} {unit}, and better at {better:.1f}: "
+        raise ValueError(f"{who} measured worse at {worse:.1f} parameters per token, and better at {better:.1f}: "
                          f"no threshold separates them")
     return sizing.round_figures(math.sqrt(worse * better))
 
@@ -571,7 +571,7 @@ DROPOUT_FOR_EPOCHS: tuple[DropoutForEpochs, ...] = (
                      "d320x4 batch 16, 717 / 720 (weighed: d320x4 batch 16 at 11.0 / 12.7 epochs)",
                      4_108_288 / 372_624, 5_082_432, 372_624, (2.0291, 2.0276), (2.0540, 2.0448)),
     # The paid run's corpus and vocabulary, and its shape at seed 1337, 16 minutes on ZEN4 (2026-12-05, sixty-seventh
-    # session; 16 minutes there bought 90% of the tokens ZEN5's 10 did): the defaults (no dropout: 9.7 and 8.6
+    # session; 16 minutes there bought 90% of the tokens ZEN5's 10 did): the defaults (no dropout: 9.7 and 8.5
     # planned epochs) against `--set model.dropout=0.2` at the same seed, `budget_quality.py --corpus wt2.txt
     # --budget 16min`.
     # (A first run of the defaults at seed 1 met a slow spell of the host, 453 steps where the plan had measured
