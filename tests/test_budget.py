@@ -16,8 +16,8 @@ from e2e_helpers import ROOT, client_for, make_project, set_params, sh
 from ultrathink.config import Budget, ModelConfig, Params, ParamsError, TokenizerConfig, TrainConfig, load_params
 from ultrathink.tokenizer import auto_vocab_size, load_tokenizer, train_tokenizer
 from ultrathink.train import sizing
-from ultrathink.train.budget import (COMPILE_PAYS_AFTER_SECONDS, PROBE_STEPS, Probe, compile_pays,
-                                     step_seconds_side_by_side, steps_for, warmup_for)
+from ultrathink.train.budget import (COMPILE_PAYS_AFTER_SECONDS, PROBE_STEPS, Probe, checkpoints_apart,
+                                     compile_pays, step_seconds_side_by_side, steps_for, warmup_for)
 from ultrathink.train.loader import ContextWarmup
 from ultrathink.train import plan as plan_module
 from ultrathink.train.plan import Decided, Plan, apply_plan, decide, plan_run
@@ -59,14 +59,22 @@ def test_tokens_and_flops_budgets_divide_exactly():
     assert steps_for(Budget.parse("6.4e5flops"), 128, 50, cfg, None) == 100  # 6.4e5 / (50 × 128)
 
 
-def test_a_time_budget_pays_for_probe_first_steps_validation_with_its_best_checkpoint_and_checkpoints():
-    cfg = TrainConfig(eval_every=10, checkpoint_every=20)
+def test_a_time_budget_pays_for_probe_first_steps_validation_with_its_best_checkpoint_and_checkpoints_apart():
     probe = Probe(step_seconds=0.1, first_steps_extra=1.0, eval_seconds=0.5, save_seconds=0.4, seconds=2.0)
-    # An improving validation writes the best checkpoint too: 0.5 + 0.4 = 0.9 s each.
-    # 60 s − 2 (probe) − 1 (first steps) − 0.9 − 0.4 (final validation and checkpoint) = 55.7 s left,
-    # each step 0.1 + 0.9/10 + 0.4/20 = 0.21 s → 265 steps.
+    # An improving validation writes the best checkpoint too: 0.5 + 0.4 = 0.9 s each. A periodic checkpoint on a
+    # validation step links that best (Trainer.fit) and costs nothing, the last step's included:
+    # 60 s − 2 (probe) − 1 (first steps) − 0.9 (final validation) = 56.1 s left.
     assert probe.validation_seconds == pytest.approx(0.9)
-    assert steps_for(Budget.parse("1min"), 128, 50, cfg, probe) == 265
+    # Every checkpoint (every 20 steps) on a validation step (every 10): each step 0.1 + 0.9/10 = 0.19 s → 295.
+    on_validation = TrainConfig(eval_every=10, checkpoint_every=20)
+    assert checkpoints_apart(on_validation) == 0
+    assert steps_for(Budget.parse("1min"), 128, 50, on_validation, probe) == 295
+    # Every 15 steps: every other one falls between validations (15, 45, ...) and is written: each step
+    # 0.1 + 0.09 + 0.4 × ½ / 15 = 0.2033 s → 275.
+    half_apart = TrainConfig(eval_every=10, checkpoint_every=15)
+    assert checkpoints_apart(half_apart) == pytest.approx(0.5)
+    assert steps_for(Budget.parse("1min"), 128, 50, half_apart, probe) == 275
+    assert checkpoints_apart(TrainConfig(eval_every=30, checkpoint_every=100)) == pytest.approx(2 / 3)  # all but 300
 
 
 def test_compile_auto_compiles_once_the_measured_eager_run_outlasts_what_a_compile_costs_on_the_device():

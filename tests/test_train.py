@@ -635,3 +635,43 @@ def test_clipping_leaves_the_gradients_bitwise_as_torch_does_and_writes_none_wit
     never = [torch.nn.Parameter(torch.zeros(3))]
     never[0].grad = torch.full((3,), 1e9)
     assert clip_grad_norm(never, math.inf) == pytest.approx(3 ** 0.5 * 1e9) and never[0].grad._version == 0
+
+
+def test_a_step_whose_validation_improved_links_its_checkpoint_to_the_best_it_just_wrote(tmp_path, monkeypatch):
+    """At a step where the validation improved, the periodic checkpoint is the best one just written: its files
+    hard-linked, not written again. Either name replaced later leaves the other whole, and a run resumes from it."""
+    from ultrathink.train import checkpoint as checkpoint_module
+
+    trainer = make_trainer(tmp_path, 15, select="best")
+    losses = iter([2.0, 3.0, 1.0])  # steps 5 and 15 improve, step 10 does not
+    trainer.validate = lambda: next(losses)
+    writes = []
+    real_commit = checkpoint_module.CheckpointManager._commit
+    monkeypatch.setattr(checkpoint_module.CheckpointManager, "_commit",
+                        lambda self, tmp, final, step, *rest: writes.append((final.name, step))
+                        or real_commit(self, tmp, final, step, *rest))
+    trainer.fit()
+    assert writes == [("best", 5), ("step_00000010", 10), ("best", 15)]
+    directory = trainer.checkpoints.directory
+    best, linked, written = directory / "best", directory / "step_00000015", directory / "step_00000010"
+    files = sorted(p.relative_to(best) for p in best.rglob("*") if p.is_file())
+    assert files and files == sorted(p.relative_to(linked) for p in linked.rglob("*") if p.is_file())
+    assert all((best / f).samefile(linked / f) for f in files)
+    assert not (best / "state.pt").samefile(written / "state.pt")
+    assert trainer.checkpoints.latest().step == 15 and trainer.checkpoints.best().step == 15
+
+    trainer.train_step()  # a new best at step 16 replaces best/: step 15's files are untouched
+    trainer.save_checkpoint(name="best")
+    assert trainer.checkpoints.best().step == 16
+    assert checkpoint_module.read_checkpoint(linked).step == 15
+    resumed = make_trainer(tmp_path, 20, seed=99)
+    assert resumed.resume() == 15
+
+    # A filesystem that cannot hard-link: the files are copied, and the checkpoint is as good.
+    def no_links(source, target):
+        raise OSError("hard links not supported")
+
+    monkeypatch.setattr(checkpoint_module.os, "link", no_links)
+    copied = trainer.checkpoints.save_as(directory / "best")
+    assert copied.name == "step_00000016" and checkpoint_module.read_checkpoint(copied).step == 16
+    assert not (copied / "state.pt").samefile(directory / "best" / "state.pt")

@@ -20,6 +20,7 @@ from ultrathink.model.model import WEIGHTS_FILE
 from ultrathink.registry.models import is_mlflow_uri, resolve_named_model
 from ultrathink.tokenizer import tokenizer_hash
 from ultrathink.train.averaging import ema_horizon_for
+from ultrathink.train.budget import checkpoints_apart
 from ultrathink.train.calibration import Calibration, fit_temperature, fold_temperature
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.distributed import Distributed, setup
@@ -115,8 +116,8 @@ def deadline(params: Params, decided: Decided, dist: Distributed) -> Deadline | 
     # cells' shapes: benchmarks/README.md)
     calibrating = 2 * probe.eval_seconds if params.train.calibrate else 0.0
     return Deadline(Budget.parse(plan.budget).amount - probe.seconds, probe.save_seconds + averaging + calibrating,
-                    probe.validation_seconds,
-                    probe.save_seconds, record, plan.step_ceiling)  # the other ranks' only make them follow rank 0
+                    probe.validation_seconds, probe.save_seconds * checkpoints_apart(params.train), record,
+                    plan.step_ceiling)  # the other ranks' only make them follow rank 0
 
 
 def pretrain(params: Params) -> None:

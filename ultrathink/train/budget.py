@@ -65,18 +65,24 @@ def _timed(fn, device: str) -> float:
 
 def steps_for(budget: Budget, tokens_per_step: int, flops_per_token: int, cfg, measured: Probe | None) -> int:
     """Optimizer steps the budget buys. A time budget pays, out of its seconds, for the probe, the first steps'
-    extra cost, and the validation passes (each with its best checkpoint) and checkpoints (every eval_every /
-    checkpoint_every steps and at the end) as measured."""
+    extra cost, and the validation passes (each with its best checkpoint: every eval_every steps and at the end)
+    and the checkpoints written apart from them, as measured."""
     if budget.kind == "tokens":
         return max(1, math.ceil(budget.amount / tokens_per_step))
     if budget.kind == "flops":
         return max(1, math.ceil(budget.amount / (flops_per_token * tokens_per_step)))
     assert measured is not None, "a time budget needs a probe"
-    left = (budget.amount - measured.seconds - measured.first_steps_extra - measured.validation_seconds
-            - measured.save_seconds)
+    left = budget.amount - measured.seconds - measured.first_steps_extra - measured.validation_seconds
     per_step = (measured.step_seconds + measured.validation_seconds / cfg.eval_every
-                + measured.save_seconds / cfg.checkpoint_every)
+                + measured.save_seconds * checkpoints_apart(cfg) / cfg.checkpoint_every)
     return max(1, int(left / per_step))
+
+
+def checkpoints_apart(cfg) -> float:
+    """The share of the periodic checkpoints (every checkpoint_every steps) that fall on no validation step. One
+    that does links the best checkpoint its validation just wrote, as it mostly does under a budget (Trainer.fit),
+    and costs nothing; so does the last step's."""
+    return 1 - cfg.checkpoint_every / math.lcm(cfg.checkpoint_every, cfg.eval_every)
 
 
 def training_seconds(budget: Budget, cfg, probe: Probe, spent: float) -> float:

@@ -147,6 +147,31 @@ class CheckpointManager:
         manifest = {"step": step, "fingerprint": self.fingerprint.id, "parts": asdict(self.fingerprint), **self.extra,
                     **ranks, "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        self._publish(tmp, final)
+
+    def save_as(self, checkpoint: Path, name: str | None = None, dist: Distributed | None = None) -> Path:
+        """`checkpoint`, just written for this step, under a second name too (`step_<step>/` unless `name`): its
+        files hard-linked, not written again (copied where the filesystem cannot link them). The periodic checkpoint
+        of a step whose validation improved is the best one just saved (trainer.fit): written twice, the saves of a
+        88M-parameter model took 4.2 + 2.4 s (benchmarks/README.md). A later replacement of either name never touches
+        the other: a checkpoint's files are always written anew, never changed in place. All ranks must call it."""
+        dist = dist or Distributed()
+        step = json.loads((Path(checkpoint) / MANIFEST).read_text())["step"]
+        final = self.directory / (name or f"step_{step:08d}")
+        if dist.is_main:
+            tmp = self.directory / f".{final.name}{PARTIAL}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                shutil.copytree(checkpoint, tmp, copy_function=_link_or_copy)
+                self._publish(tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        dist.barrier()
+        return final
+
+    def _publish(self, tmp: Path, final: Path) -> None:
+        """Put the complete checkpoint `tmp` in place as `final` (replacing one of that name), then prune."""
         _fsync_dir(tmp)
         replaced = _replaced(final)
         if final.exists():  # best/ again: the old one stays, renamed, until the new one is in place
@@ -281,6 +306,13 @@ def _verify(path: Path) -> str | None:
         if file_sha256(file) != digest:
             return f"{name} fails its checksum"
     return None
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # a filesystem without hard links, or across devices
+        shutil.copy2(source, target)
 
 
 def _fsync_dir(path: Path) -> None:

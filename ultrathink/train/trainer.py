@@ -8,6 +8,7 @@ import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable, Protocol
 
 import numpy as np
@@ -99,8 +100,8 @@ class Deadline:
     max_steps)` records each revision."""
     seconds: float  # what fit() may spend: the budget less the probe that planned it
     final_seconds: float  # what follows the last step: selecting the best weights, saving the model
-    eval_seconds: float  # one validation pass (with its best checkpoint), one checkpoint: as probed, then as observed
-    save_seconds: float
+    eval_seconds: float  # one validation pass (with its best checkpoint), one periodic checkpoint (nothing where it
+    save_seconds: float  # links that best: budget.checkpoints_apart): as probed, then as observed
     on_replan: Callable[[int, int], None] = lambda step, max_steps: None
     most_steps: int | None = None  # never re-planned past these (the plan's step_ceiling)
 
@@ -295,14 +296,14 @@ class Trainer:
                 f"{self.step + 1} (train.max_bad_steps={self.cfg.max_bad_steps}); lower train.lr or check the data. "
                 f"The last good checkpoint is kept in {self.checkpoints.directory}")
 
-    def save_checkpoint(self, name: str | None = None) -> None:
+    def save_checkpoint(self, name: str | None = None) -> Path:
         """Every rank takes part (gathering weights, writing its shards); the main process writes the rest."""
         self.engine.check_replicas()
         self.dist.check_routing_state(self.model)
         from_shards = self.engine.writes_weights  # FSDP: nobody gathers the weights for a checkpoint
         weights, state = None if from_shards else self.full_weights(), self.state()
-        self.checkpoints.save(self.step, self.model, state, name=name, weights=weights,
-                              shards=self.engine.save_shards, dist=self.dist, weights_in_shards=from_shards)
+        return self.checkpoints.save(self.step, self.model, state, name=name, weights=weights,
+                                     shards=self.engine.save_shards, dist=self.dist, weights_in_shards=from_shards)
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The whole model's weights (gathered from all ranks under FSDP and ZeRO-3; collective there)."""
@@ -354,7 +355,7 @@ class Trainer:
                 if peak:
                     record["mfu"] = self.flops_per_token * record["tokens_per_second"] / (peak * self.dist.world_size)
                 window_start, window_steps = time.perf_counter(), 0
-            improved = False
+            improved, best = False, None
             if self.step % cfg.eval_every == 0 or last:
                 with pace.aside("eval"):
                     record["val_loss"] = self.validate()
@@ -369,10 +370,13 @@ class Trainer:
                                                      self.model.routing_line(record)])))
             if improved:  # with this step's record in its history: a run that goes back to it keeps that
                 with pace.aside("eval"):
-                    self.save_checkpoint(name="best")  # kept apart from the last N checkpoints
+                    best = self.save_checkpoint(name="best")  # kept apart from the last N checkpoints
             if self.step % cfg.checkpoint_every == 0 or last or stop:
                 with pace.aside("save"):
-                    self.save_checkpoint()
+                    if best is None:
+                        self.save_checkpoint()
+                    else:  # this step's best, just written: not written again
+                        self.checkpoints.save_as(best, dist=self.dist)
             if not last and not stop and "val_loss" in record and self._plateaued():
                 self._decay_from_best()
                 self._show(bar)
