@@ -80,8 +80,8 @@ def steps_for(budget: Budget, tokens_per_step: int, flops_per_token: int, cfg, m
 
 def checkpoints_apart(cfg) -> float:
     """The share of the periodic checkpoints (every checkpoint_every steps) that fall on no validation step. One
-    that does links the best checkpoint its validation just wrote, as it mostly does under a budget (Trainer.fit),
-    and costs nothing; so does the last step's."""
+    that does links the best checkpoint that step's validation wrote (a validation that improved writes one, as
+    under a budget it mostly does: Trainer.fit) and costs nothing; so does the last step's."""
     return 1 - cfg.checkpoint_every / math.lcm(cfg.checkpoint_every, cfg.eval_every)
 
 

@@ -100,8 +100,8 @@ class Deadline:
     max_steps)` records each revision."""
     seconds: float  # what fit() may spend: the budget less the probe that planned it
     final_seconds: float  # what follows the last step: selecting the best weights, saving the model
-    eval_seconds: float  # one validation pass (with its best checkpoint), one periodic checkpoint (nothing where it
-    save_seconds: float  # links that best: budget.checkpoints_apart): as probed, then as observed
+    eval_seconds: float  # one validation pass with its best checkpoint: as probed, then as observed
+    save_seconds: float  # one periodic checkpoint (none where it links that best: budget.checkpoints_apart): likewise
     on_replan: Callable[[int, int], None] = lambda step, max_steps: None
     most_steps: int | None = None  # never re-planned past these (the plan's step_ceiling)
 
