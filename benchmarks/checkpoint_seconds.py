@@ -1,7 +1,8 @@
 """What a validation step that improved costs in checkpoints: the best checkpoint the Trainer writes, then the
 periodic checkpoint of the same step, written again (before) or linked to the best one (CheckpointManager.save_as,
-what Trainer.fit does now). The real Trainer of a UltraThink model at each shape, one training step first so the
-optimizer and weight-average states exist, checkpoints on this machine's disk; the fastest of `--reps` rounds.
+what Trainer.fit does now). The real Trainer of a UltraThink model at each shape (train_throughput's), one training
+step first so the optimizer and weight-average states exist, checkpoints on this machine's disk; the fastest of
+`--reps` rounds.
 
     .venv/bin/python benchmarks/checkpoint_seconds.py [--shape 192x3 --shape 384x6 --shape 768x12] [--reps 3]
 """
@@ -14,35 +15,26 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from ultrathink.config import ModelConfig, TrainConfig  # noqa: E402
-from ultrathink.model import UltraThink  # noqa: E402
-from ultrathink.train.checkpoint import CheckpointManager, Fingerprint  # noqa: E402
+from train_throughput import ultrathink_trainer  # noqa: E402
+
+from ultrathink.model.kernels import AttentionKernel  # noqa: E402
 from ultrathink.train.distributed import Distributed  # noqa: E402
-from ultrathink.train.engine import build_engine  # noqa: E402
-from ultrathink.train.loader import TokenWindows  # noqa: E402
-from ultrathink.train.trainer import Trainer, ready_model  # noqa: E402
-
-VOCAB, SEQ, BATCH = 4096, 128, 2
+from ultrathink.train.trainer import Trainer  # noqa: E402
 
 
 def trainer_at(shape: str, directory: Path) -> Trainer:
+    """train_throughput's Trainer (vocabulary 4096, seq 256, batch 8) at d_model × layers, heads of 64, fp32, with
+    the weight average on, after one step."""
     d_model, n_layers = (int(x) for x in shape.split("x"))
     heads = max(1, d_model // 64)
-    model_cfg = ModelConfig(d_model=d_model, n_layers=n_layers, n_heads=heads, n_kv_heads=heads, seq_len=SEQ)
-    cfg = TrainConfig(max_steps=10, batch_size=BATCH, warmup_steps=1, weight_decay=0.1, precision="fp32",
-                      ema_horizon=0.1)
-    tokens = np.random.default_rng(0).integers(0, VOCAB, 20_000).astype(np.uint16)
-    torch.manual_seed(0)
-    dist = Distributed()
-    engine = build_engine(ready_model(UltraThink(model_cfg, VOCAB), cfg, None, dist), cfg, dist)
-    checkpoints = CheckpointManager(directory, Fingerprint(shape, "bench", "bench"), 2)
-    trainer = Trainer(engine, TokenWindows(tokens, SEQ, BATCH, seed=0), tokens[:5_000], cfg, checkpoints, dist=dist)
+    trainer = ultrathink_trainer(directory, Distributed(), False, "fp32", AttentionKernel(), ema_horizon=0.1,
+                                 model_keys=dict(d_model=d_model, n_layers=n_layers, n_heads=heads, n_kv_heads=heads))
     trainer.train_step()
     return trainer
 

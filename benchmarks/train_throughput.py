@@ -72,8 +72,15 @@ VOCAB, BATCH = 4096, 8
 
 def ultrathink_step(workdir: Path, dist: Distributed, compile: bool, precision: str, attention: AttentionKernel,
                     model_keys: dict | None = None, **train):
+    """ultrathink_trainer's train_step and model."""
+    trainer = ultrathink_trainer(workdir, dist, compile, precision, attention, model_keys, **train)
+    return trainer.train_step, trainer.model
+
+
+def ultrathink_trainer(workdir: Path, dist: Distributed, compile: bool, precision: str, attention: AttentionKernel,
+                       model_keys: dict | None = None, **train) -> Trainer:
     """A Trainer over random tokens on `dist`'s device, in `precision`, with the attention kernel a run's plan
-    chose for the shape (train.attention auto: decide_attention); returns its train_step and model."""
+    chose for the shape (train.attention auto: decide_attention)."""
     cfg = ModelConfig(**{**SHAPE, "dropout": 0.0, **(model_keys or {})})
     settings = TrainConfig(batch_size=BATCH, max_steps=10**6, warmup_steps=10, lr=1e-3, precision=precision,
                            compile=compile, eval_every=10**9, checkpoint_every=10**9,
@@ -83,9 +90,8 @@ def ultrathink_step(workdir: Path, dist: Distributed, compile: bool, precision: 
     model = UltraThink(cfg, VOCAB)
     name = "-".join(["bench", str(compile), *(f"{k}={v}" for k, v in (model_keys or {}).items())])
     engine = build_engine(ready_model(model, settings, attention, dist), settings, dist)
-    trainer = Trainer(engine, TokenWindows(tokens, cfg.seq_len, BATCH, seed=0), tokens[:10_000], settings,
-                      CheckpointManager(workdir / name, Fingerprint(name, "bench", "bench"), 1, 1), dist=dist)
-    return trainer.train_step, model
+    return Trainer(engine, TokenWindows(tokens, cfg.seq_len, BATCH, seed=0), tokens[:10_000], settings,
+                   CheckpointManager(workdir / name, Fingerprint(name, "bench", "bench"), 1, 1), dist=dist)
 
 
 def gpt2_goal(row: str) -> tuple[str, float]:
