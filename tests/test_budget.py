@@ -1150,6 +1150,35 @@ def test_matmul_attention_computes_what_sdpa_computes_and_its_gradients(case):
         torch.testing.assert_close(ours, torchs, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("length,kv_heads", [(600, 2), (1100, 1)], ids=["3 blocks of 256", "4 blocks, grouped"])
+def test_a_long_causal_window_in_blocks_of_queries_computes_what_sdpa_computes(length, kv_heads):
+    """Past CAUSAL_BLOCK_MIN tokens matmul_attention attends block by block, each block of queries to the keys up to
+    its last one (600 tokens: 256 + 256 + 88; 1100: 4 × 275): the same outputs and gradients as SDPA's causal
+    attention in float64, the last block shorter too; and its dropout still keeps the expectation."""
+    from ultrathink.model.kernels import causal_block, matmul_attention
+
+    assert [causal_block(n) for n in (128, 256, 600, 1100, 2048)] == [256, 256, 256, 275, 512]
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, length, 4, dtype=torch.float64, generator=generator)
+    k, v = (torch.randn(1, kv_heads, length, 4, dtype=torch.float64, generator=generator) for _ in range(2))
+    outputs, grads = [], []
+    for attention in (matmul_attention, torch.nn.functional.scaled_dot_product_attention):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        y = attention(*leaves, is_causal=True, enable_gqa=kv_heads != 2)
+        y.backward(torch.ones_like(y).cumsum(-1))
+        outputs.append(y.detach())
+        grads.append([t.grad for t in leaves])
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-12, atol=1e-12)
+    for ours, torchs in zip(*grads):
+        torch.testing.assert_close(ours, torchs, rtol=1e-10, atol=1e-12)
+
+    torch.manual_seed(6)
+    draws = torch.stack([matmul_attention(q, k, v, is_causal=True, dropout_p=0.5, enable_gqa=kv_heads != 2)
+                         for _ in range(200)])
+    assert not torch.allclose(draws[0, ..., -1, :], draws[1, ..., -1, :])  # the last block drops weights too
+    assert (draws.mean(0) - outputs[1]).abs().mean() < 0.1 * outputs[1].abs().mean()
+
+
 def test_matmul_attention_runs_in_bf16_under_autocast_and_its_dropout_keeps_the_expectation():
     """The kernel's point: its matmuls take bf16 in and give bf16 out (the scores rounded to bf16 before the
     softmax), close to fp32 attention; and attention dropout, which it applies to the softmax's weights as SDPA does,

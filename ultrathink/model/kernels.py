@@ -61,18 +61,50 @@ def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mas
     between them: q (..., heads, T, head_dim), k and v (..., kv_heads, S, head_dim). Under bf16 the scores are
     rounded to bf16 before the softmax (which accumulates in fp32), as attention written out in nanoGPT is under
     autocast; torch's CPU kernels keep them in fp32 and pay for it: 7.0 against 3.0 ms forward+backward at 16 ×
-    3 heads × 128 tokens of 64 on an EPYC Zen 4, and at equal steps the loss was the same (benchmarks/README.md)."""
+    3 heads × 128 tokens of 64 on an EPYC Zen 4, and at equal steps the loss was the same (benchmarks/README.md).
+    A causal window longer than CAUSAL_BLOCK_MIN is computed in blocks of queries (causal_block)."""
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         k, v = (t.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3) for t in (k, v))
-    scores = torch.matmul(q * (scale if scale is not None else q.shape[-1] ** -0.5), k.transpose(-1, -2))
+    q = q * (scale if scale is not None else q.shape[-1] ** -0.5)
+    length, block = q.shape[-2], causal_block(q.shape[-2])
+    if not is_causal or k.shape[-2] != length or block >= length:
+        return _weighted_values(q, k, v, attn_mask, dropout_p, is_causal)
+    # Each block of queries against the keys up to its last one: the masked scores beyond are never computed. Made
+    # contiguous once (the model passes heads transposed), not once per block's slice in its matmuls.
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return torch.cat([_weighted_values(q[..., start:start + block, :], k[..., :start + block, :],
+                                       v[..., :start + block, :], None, dropout_p, True, first=start)
+                      for start in range(0, length, block)], dim=-2)
+
+
+# Causal attention over more than this many tokens runs in blocks of queries (matmul_attention), each block
+# max(CAUSAL_BLOCK_MIN, T / 4) long: each skips the scores of the keys after its last query, so T / 4 saves 3/8 of
+# the matmuls. Forward+backward in bf16, 6 heads of 64 at 2048 tokens per call, with the Trainer's allocator
+# (keep_freed_host_memory), on an EPYC Zen 4 (benchmarks/README.md, sixty-ninth session), whole window against
+# blocks of 128 / 256 / 512: 256 tokens 11.2 / 11.0 ms; 512 tokens 20.0 / 19.2 / 17.8; 1024 tokens 40.8 / 43.4 /
+# 35.8 / 34.6; 2048 tokens 78.8 / 81.8 / 65.6 / 61.7. Below 256 tokens per block the smaller matmuls and the
+# concatenation cost what the skipped scores save (the forty-first session found the same at 128 and 256 tokens).
+CAUSAL_BLOCK_MIN = 256
+
+
+def causal_block(length: int) -> int:
+    """The query block matmul_attention takes over a causal window of `length` tokens (the whole window up to
+    CAUSAL_BLOCK_MIN)."""
+    return max(CAUSAL_BLOCK_MIN, length // 4)
+
+
+def _weighted_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     dropout_p: float, is_causal: bool, first: int = 0) -> torch.Tensor:
+    """softmax(q·kᵀ + mask)·v for queries already scaled, the weights dropped out at dropout_p. Causal: the queries
+    are positions first, first + 1, ... and see the keys up to their own (SDPA's alignment at the top left)."""
+    scores = torch.matmul(q, k.transpose(-1, -2))
     # The mask is added, not filled in: 20% faster here. A boolean one (True: may attend) becomes 0 / -inf.
-    if is_causal:  # as SDPA's: query i sees keys 0..i (aligned at the top left)
-        attn_mask = torch.full(scores.shape[-2:], float("-inf"), dtype=scores.dtype, device=q.device).triu(1)
-    elif attn_mask is not None and attn_mask.dtype == torch.bool:
-        attn_mask = torch.zeros(attn_mask.shape, dtype=scores.dtype, device=q.device).masked_fill(~attn_mask,
-                                                                                                 float("-inf"))
-    if attn_mask is not None:
-        scores = scores + attn_mask
+    if is_causal:
+        mask = torch.full(scores.shape[-2:], float("-inf"), dtype=scores.dtype, device=q.device).triu(first + 1)
+    elif mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=scores.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    if mask is not None:
+        scores = scores + mask
     weights = torch.softmax(scores, dim=-1).to(v.dtype)
     if dropout_p:
         weights = F.dropout(weights, dropout_p)
