@@ -52,6 +52,9 @@ import yaml  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# This checkout's package, not the one the environment installed: run from a second clone (a baseline beside a
+# change), the script measures that clone's code (an editable install of the first would shadow it).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from reference_gpt import GPT  # noqa: E402
 
 from ultrathink.config import ModelConfig, TrainConfig  # noqa: E402
