@@ -1127,27 +1127,34 @@ MATMUL_CASES = {  # (kv heads, keys, SDPA's arguments) for 4 query heads of 5 to
     "no mask": (4, 5, {})}
 
 
-@pytest.mark.parametrize("case", MATMUL_CASES, ids=list(MATMUL_CASES))
-def test_matmul_attention_computes_what_sdpa_computes_and_its_gradients(case):
-    """train.attention matmul is F.scaled_dot_product_attention written out: the same outputs and gradients, in
-    float64 to the last bits, for every argument the model passes (a causal window, a generation step's boolean mask
-    over the cache, grouped-query heads) and the rest SDPA takes."""
+def assert_matmul_attention_is_sdpa(q, k, v, **sdpa) -> torch.Tensor:
+    """matmul_attention's outputs and gradients equal F.scaled_dot_product_attention's, in float64 to the last bits
+    (the gradient of an uneven weighting of the outputs, so each output counts); SDPA's output."""
     from ultrathink.model.kernels import matmul_attention
 
-    kv_heads, keys, kwargs = MATMUL_CASES[case]
-    generator = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 4, 5, 8, dtype=torch.float64, generator=generator)
-    k, v = (torch.randn(2, kv_heads, keys, 8, dtype=torch.float64, generator=generator) for _ in range(2))
     outputs, grads = [], []
     for attention in (matmul_attention, torch.nn.functional.scaled_dot_product_attention):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        y = attention(*leaves, **kwargs)
+        y = attention(*leaves, **sdpa)
         y.backward(torch.ones_like(y).cumsum(-1))
         outputs.append(y.detach())
         grads.append([t.grad for t in leaves])
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-12, atol=1e-12)
     for ours, torchs in zip(*grads):
         torch.testing.assert_close(ours, torchs, rtol=1e-10, atol=1e-12)
+    return outputs[1]
+
+
+@pytest.mark.parametrize("case", MATMUL_CASES, ids=list(MATMUL_CASES))
+def test_matmul_attention_computes_what_sdpa_computes_and_its_gradients(case):
+    """train.attention matmul is F.scaled_dot_product_attention written out: the same outputs and gradients, in
+    float64 to the last bits, for every argument the model passes (a causal window, a generation step's boolean mask
+    over the cache, grouped-query heads) and the rest SDPA takes."""
+    kv_heads, keys, kwargs = MATMUL_CASES[case]
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 8, dtype=torch.float64, generator=generator)
+    k, v = (torch.randn(2, kv_heads, keys, 8, dtype=torch.float64, generator=generator) for _ in range(2))
+    assert_matmul_attention_is_sdpa(q, k, v, **kwargs)
 
 
 @pytest.mark.parametrize("length,kv_heads", [(600, 2), (1100, 1)], ids=["3 blocks of 256", "4 blocks, grouped"])
@@ -1161,22 +1168,13 @@ def test_a_long_causal_window_in_blocks_of_queries_computes_what_sdpa_computes(l
     generator = torch.Generator().manual_seed(5)
     q = torch.randn(1, 2, length, 4, dtype=torch.float64, generator=generator)
     k, v = (torch.randn(1, kv_heads, length, 4, dtype=torch.float64, generator=generator) for _ in range(2))
-    outputs, grads = [], []
-    for attention in (matmul_attention, torch.nn.functional.scaled_dot_product_attention):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        y = attention(*leaves, is_causal=True, enable_gqa=kv_heads != 2)
-        y.backward(torch.ones_like(y).cumsum(-1))
-        outputs.append(y.detach())
-        grads.append([t.grad for t in leaves])
-    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-12, atol=1e-12)
-    for ours, torchs in zip(*grads):
-        torch.testing.assert_close(ours, torchs, rtol=1e-10, atol=1e-12)
+    exact = assert_matmul_attention_is_sdpa(q, k, v, is_causal=True, enable_gqa=kv_heads != 2)
 
     torch.manual_seed(6)
     draws = torch.stack([matmul_attention(q, k, v, is_causal=True, dropout_p=0.5, enable_gqa=kv_heads != 2)
                          for _ in range(200)])
     assert not torch.allclose(draws[0, ..., -1, :], draws[1, ..., -1, :])  # the last block drops weights too
-    assert (draws.mean(0) - outputs[1]).abs().mean() < 0.1 * outputs[1].abs().mean()
+    assert (draws.mean(0) - exact).abs().mean() < 0.1 * exact.abs().mean()
 
 
 def test_matmul_attention_runs_in_bf16_under_autocast_and_its_dropout_keeps_the_expectation():
