@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# This checkout's package, not an editable install of another clone (train_throughput.py says why).
+sys.path.insert(0, str(ROOT))
 
 
 def high_water_mib() -> float:

@@ -17,6 +17,7 @@ Precision is `auto` (what users get): bf16 on CPUs that run it faster.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,17 +25,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ultrathink.config import DataConfig, ModelConfig, TokenizerConfig, TrainConfig
-from ultrathink.data.sources import load_corpus
-from ultrathink.model import UltraThink
-from ultrathink.model.kernels import choose_attention
-from ultrathink.tokenizer import load_tokenizer, train_tokenizer
-from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
-from ultrathink.train.loader import TokenWindows
-from ultrathink.train.precision import resolve_precision
-from ultrathink.train.distributed import Distributed
-from ultrathink.train.engine import build_engine
-from ultrathink.train.trainer import Trainer, ready_model
+# This checkout's package, not an editable install of another clone (train_throughput.py says why).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ultrathink.config import DataConfig, ModelConfig, TokenizerConfig, TrainConfig  # noqa: E402
+from ultrathink.data.sources import load_corpus  # noqa: E402
+from ultrathink.model import UltraThink  # noqa: E402
+from ultrathink.model.kernels import choose_attention  # noqa: E402
+from ultrathink.tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
+from ultrathink.train.checkpoint import CheckpointManager, Fingerprint  # noqa: E402
+from ultrathink.train.loader import TokenWindows  # noqa: E402
+from ultrathink.train.precision import resolve_precision  # noqa: E402
+from ultrathink.train.distributed import Distributed  # noqa: E402
+from ultrathink.train.engine import build_engine  # noqa: E402
+from ultrathink.train.trainer import Trainer, ready_model  # noqa: E402
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 MOE_SHAPE = dict(d_model=192, n_layers=4, n_heads=4, n_kv_heads=2, seq_len=128, dropout=0.0)

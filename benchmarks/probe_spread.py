@@ -18,13 +18,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from ultrathink.config import ModelConfig, TrainConfig
-from ultrathink.train.budget import probe_shape, step_seconds_side_by_side
+# This checkout's package, not an editable install of another clone (train_throughput.py says why).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ultrathink.config import ModelConfig, TrainConfig  # noqa: E402
+from ultrathink.train.budget import probe_shape, step_seconds_side_by_side  # noqa: E402
 
 
 def configs(args) -> list[tuple[ModelConfig, TrainConfig, None]]:

@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from scipy.optimize import least_squares
 
-from ultrathink.train import sizing
-from ultrathink.train.sizing_evidence import SWEEPS, Measured, Sweep, fit_repeat_decay, total_regret
+# This checkout's package, not an editable install of another clone (train_throughput.py says why).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ultrathink.train import sizing  # noqa: E402
+from ultrathink.train.sizing_evidence import SWEEPS, Measured, Sweep, fit_repeat_decay, total_regret  # noqa: E402
 
 STARTS = list(itertools.product((2.0, 5.0), (2.0, 5.0), (0.2, 0.5), (0.2, 0.5), (2.0, 8.0)))  # ln A, ln B, α, β, R*
 
