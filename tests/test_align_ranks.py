@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LOSS_RTOL, WEIGHT_ATOL = 1e-5, 1e-5
 
 
-def align(assets: Path, tmp: Path, ranks: int) -> Path:
+def align(model_dir: Path, tmp: Path, ranks: int) -> Path:
     out = tmp / f"ranks-{ranks}"
     out.mkdir()
     pairs = [{**p, "prompt": p["prompt"][0]["content"]} for p in map(cat_pair, range(48))]
@@ -31,7 +31,7 @@ def align(assets: Path, tmp: Path, ranks: int) -> Path:
         "paths": {"aligned_dir": str(out / "aligned"), "align_report": str(out / "align.json"),
                   "align_checkpoint_dir": str(out / "ckpt"), "align_plan": str(out / "plan.json")},
         "train": {"precision": "fp32", "attention": "torch", "threads": 1, "log_every": 1, "backend": "ddp"},
-        "align": {"enabled": True, "init_from": str(assets), "data": str(out / "pairs.jsonl"), "max_steps": 10,
+        "align": {"enabled": True, "init_from": str(model_dir), "data": str(out / "pairs.jsonl"), "max_steps": 10,
                   "batch_size": 8, "warmup_steps": 1, "eval_every": 5, "lr": 0.01, "beta": 0.5, "samples": 1,
                   "min_pairs": 20, "lora": {"r": 4, "alpha": 8.0, "dropout": 0.0}},
         "launch": {"nproc_per_node": ranks},

@@ -27,7 +27,7 @@ PAIRS = [{"prompt": f"Where is cat {i}?", "response": f"Cat {i} sat on the mat."
 LOSS_RTOL, WEIGHT_ATOL = 1e-5, 1e-5
 
 
-def fine_tune(assets: Path, tmp: Path, ranks: int, backend: str = "auto") -> Path:
+def fine_tune(base_dir: Path, tmp: Path, ranks: int, backend: str = "auto") -> Path:
     out = tmp / f"{backend}-{ranks}"
     out.mkdir()
     (out / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
@@ -35,7 +35,7 @@ def fine_tune(assets: Path, tmp: Path, ranks: int, backend: str = "auto") -> Pat
         "paths": {"finetuned_dir": str(out / "finetuned"), "finetune_report": str(out / "finetune.json"),
                   "finetune_checkpoint_dir": str(out / "ckpt"), "finetune_plan": str(out / "plan.json")},
         "train": {"precision": "fp32", "attention": "torch", "threads": 1, "log_every": 1, "backend": backend},
-        "finetune": {"enabled": True, "init_from": str(assets / "model"), "data": str(out / "pairs.jsonl"),
+        "finetune": {"enabled": True, "init_from": str(base_dir / "model"), "data": str(out / "pairs.jsonl"),
                      "max_steps": 12, "batch_size": 8, "warmup_steps": 1, "eval_every": 6, "lr": 0.02,
                      "samples": 1, "lora": {"r": 4, "alpha": 8.0, "dropout": 0.0}},
         "launch": {"nproc_per_node": ranks},
