@@ -30,7 +30,7 @@ import torch
 # This checkout's package, not an editable install of another clone (train_throughput.py says why).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ultrathink.config import load_params  # noqa: E402
+from ultrathink.config import Budget, load_params  # noqa: E402
 from ultrathink.data.tokens import load_split, read_meta  # noqa: E402
 from ultrathink.device import resolve_device  # noqa: E402
 from ultrathink.train import sizing  # noqa: E402
@@ -59,6 +59,9 @@ def main() -> None:
     parser.add_argument("--plans", type=int, default=6)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
+    if Budget.parse(args.budget).kind != "seconds":
+        parser.error(f"--budget {args.budget}: not a time budget (30s, 2min, 1h): only a time budget's plan probes "
+                     "shapes at this machine's speed")
 
     params = load_params(args.project / "params.yaml", [f"train.budget={args.budget}", *args.overrides])
     if params.model.size != "auto":
