@@ -110,6 +110,7 @@ def train_and_score(project: Path, held_out: Path, budget: str, overrides: list[
             "corpus_tokens": corpus_tokens,
             "params": summary["params"], "vocab": config["vocab_size"], "non_embedding_params": non_embedding,
             "tokens": summary["steps"] * summary["plan"]["tokens_per_step"], "shape": asdict(shape),
+            "batch_size": summary["plan"]["batch_size"],
             "dropout": model.dropout, "weight_decay": summary["plan"].get("weight_decay"),
             "sizing": sizing_line.split("model.size auto:")[-1].split(" — ")[0].strip(),
             "measured": plan["sizing"].get("measured", []), "wall_seconds": time.perf_counter() - started}
@@ -331,7 +332,18 @@ def row_line(row: dict) -> str:
         line += (f"  nanoGPT {base['bpb']:.4f} ({base['seconds']:.0f} s, {base['iterations']} it)  "
                  f"ratio {ours['bpb'] / base['bpb']:.3f}")
     measured = f"; measured {sizing.describe_measured(ours['measured'])}" if ours["measured"] else ""
-    return line + f"  [{ours['sizing']}; dropout {ours['dropout']:g}{measured}]"
+    return line + f"  [{trained_as(ours)}; dropout {ours['dropout']:g}{measured}]"
+
+
+def trained_as(ours: dict) -> str:
+    """The sizing's line where the plan chose the shape; where the run set it (model.size manual, no sizing line),
+    the shape and batch it trained. Rows recorded before they kept their shape and batch print what they have."""
+    if ours["sizing"] or "shape" not in ours:
+        return ours["sizing"]
+    shape = ours["shape"]
+    batch = f", batch {ours['batch_size']}" if "batch_size" in ours else ""
+    return (f"set: d_model {shape['d_model']}, {shape['n_layers']} layers, {shape['n_heads']} heads "
+            f"({shape['n_kv_heads']} kv), seq_len {shape['seq_len']}{batch}")
 
 
 def summary(rows: list[dict]) -> None:

@@ -49,6 +49,23 @@ def test_a_row_names_the_seconds_it_took_in_all_beside_its_training_seconds():
     assert "in all" not in row_line(row) and "(62 s, 993 steps, 32.12M; a plateau at step 800" in row_line(row)
 
 
+def test_a_row_of_a_shape_the_run_set_names_that_shape_and_its_batch():
+    """A run with model.size manual prints no sizing line, so its row read `[; dropout 0]`: nothing said what it
+    trained. It names the shape and the batch the plan gave it; a row of the plan's own shape keeps the sizing's
+    line, and rows recorded without a batch still print."""
+    shape = {"d_model": 192, "n_layers": 3, "n_heads": 3, "n_kv_heads": 3, "seq_len": 256}
+    ours = {"bpb": 2.0682, "seconds": 119.5, "steps": 663, "params": 1_513_152, "sizing": "", "dropout": 0.0,
+            "measured": [], "shape": shape, "batch_size": 16}
+    row = {"corpus": "tinyshakespeare", "budget": "2min", "variant": "s256", "seed": 1337, "ours": ours,
+           "baseline": None}
+    assert row_line(row).endswith("[set: d_model 192, 3 layers, 3 heads (3 kv), seq_len 256, batch 16; dropout 0]")
+    del ours["batch_size"]
+    assert row_line(row).endswith("seq_len 256; dropout 0]")
+    ours["sizing"] = "d_model 256, 3 layers, 4 heads (2 kv), seq_len 256, batch 8: 2.46M params"
+    assert row_line(row).endswith("[d_model 256, 3 layers, 4 heads (2 kv), seq_len 256, batch 8: 2.46M params; "
+                                  "dropout 0]")
+
+
 def test_the_text_score_credits_the_bytes_of_the_blank_lines_its_eos_predictions_code():
     """Our code length of a held-out text covers its paragraphs and the EOS closing each; the char-level baseline's
     covers every byte. Over the same text both divide by the same bytes: the paragraphs and the blank lines between
