@@ -110,7 +110,7 @@ def train_and_score(project: Path, held_out: Path, budget: str, overrides: list[
             "corpus_tokens": corpus_tokens,
             "params": summary["params"], "vocab": config["vocab_size"], "non_embedding_params": non_embedding,
             "tokens": summary["steps"] * summary["plan"]["tokens_per_step"], "shape": asdict(shape),
-            "batch_size": summary["plan"]["batch_size"],
+            "batch_size": summary["plan"]["tokens_per_step"] // shape.seq_len,  # sequences a step, set or sized
             "dropout": model.dropout, "weight_decay": summary["plan"].get("weight_decay"),
             "sizing": sizing_line.split("model.size auto:")[-1].split(" — ")[0].strip(),
             "measured": plan["sizing"].get("measured", []), "wall_seconds": time.perf_counter() - started}
@@ -337,7 +337,8 @@ def row_line(row: dict) -> str:
 
 def trained_as(ours: dict) -> str:
     """The sizing's line where the plan chose the shape; where the run set it (model.size manual, no sizing line),
-    the shape and batch it trained. Rows recorded before they kept their shape and batch print what they have."""
+    the shape and the sequences a step it trained. Rows recorded before they kept their shape and batch print what
+    they have."""
     if ours["sizing"] or "shape" not in ours:
         return ours["sizing"]
     shape = ours["shape"]
