@@ -341,10 +341,8 @@ def trained_as(ours: dict) -> str:
     they have."""
     if ours["sizing"] or "shape" not in ours:
         return ours["sizing"]
-    shape = ours["shape"]
     batch = f", batch {ours['batch_size']}" if "batch_size" in ours else ""
-    return (f"set: d_model {shape['d_model']}, {shape['n_layers']} layers, {shape['n_heads']} heads "
-            f"({shape['n_kv_heads']} kv), seq_len {shape['seq_len']}{batch}")
+    return f"set: {sizing.Shape(**ours['shape']).describe()}{batch}"
 
 
 def summary(rows: list[dict]) -> None:

@@ -165,6 +165,11 @@ class Shape:
         """The shape a (fully sized) ModelConfig has."""
         return cls(**{k: getattr(model_cfg, k) for k in SHAPE_KEYS})
 
+    def describe(self) -> str:
+        """E.g. `d_model 192, 3 layers, 3 heads (3 kv), seq_len 128`."""
+        return (f"d_model {self.d_model}, {self.n_layers} layers, {self.n_heads} heads ({self.n_kv_heads} kv), "
+                f"seq_len {self.seq_len}")
+
 
 def round_figures(value: float, figures: int = 2) -> float:
     """A measured rate to 2 significant figures: sizing then sees the same number from timings a few % apart."""
@@ -216,9 +221,7 @@ class Sizing:
         return cls(**{**raw, "shape": Shape(**raw["shape"])})
 
     def explain(self) -> str:
-        s = self.shape
-        return (f"model.size auto: d_model {s.d_model}, {s.n_layers} layers, {s.n_heads} heads ({s.n_kv_heads} kv), "
-                f"seq_len {s.seq_len}, batch {self.batch_size}: {self.params / 1e6:.2f}M params, "
+        return (f"model.size auto: {self.shape.describe()}, batch {self.batch_size}: {self.params / 1e6:.2f}M params, "
                 f"{self.tokens / 1e6:.2f}M tokens ({self.epochs:.1f} epochs of the corpus) — the lowest loss "
                 f"Chinchilla's fit predicts for this budget with repeated data discounted (R* {REPEAT_DECAY:g}) "
                 f"and at most {MEASURED_PARAMS_PER_TOKEN:g} parameters per token credited "

@@ -72,7 +72,12 @@ class Sweep:
         return tuple(Measured.of(tuple(r for r in self.runs if r.shape == name)) for name in names)
 
     def pick(self, repeat_decay: float, params_per_token: float = sizing.MEASURED_PARAMS_PER_TOKEN) -> Measured:
-        """The shape whose (parameters, mean tokens) the law predicts the lowest loss for."""
+        """The shape whose (parameters, mean tokens) the law predicts the lowest loss for. This judges the law
+        alone, not the plan's tie-break (sizing.TIE: within 0.5% the cheaper shape): judged with it, the sweeps
+        cannot tell R* 4 from 5 (total regret 0.1615 against 0.1617, noise 0.013), and a fit that took R* 4 on that
+        made the real planning step pick d192 x 4 on tiny Shakespeare's 2-minute cell in 6 of 6 plans, where R* 5
+        picked d192 x 3 in 5 of 7 (measured 0.011 better than x 4), and changed no pick on Pride's
+        (benchmarks/README.md, seventy-third session)."""
         return min(self.shapes(), key=lambda m: sizing.predicted_loss(
             m.non_embedding_params, m.tokens, self.corpus_tokens, repeat_decay, params_per_token))
 
