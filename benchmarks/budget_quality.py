@@ -337,12 +337,10 @@ def row_line(row: dict) -> str:
 
 def trained_as(ours: dict) -> str:
     """The sizing's line where the plan chose the shape; where the run set it (model.size manual, no sizing line),
-    the shape and the sequences a step it trained. Rows recorded before they kept their shape and batch print what
-    they have."""
-    if ours["sizing"] or "shape" not in ours:
+    the shape and the sequences a step it trained."""
+    if ours["sizing"]:
         return ours["sizing"]
-    batch = f", batch {ours['batch_size']}" if "batch_size" in ours else ""
-    return f"set: {sizing.Shape(**ours['shape']).describe()}{batch}"
+    return f"set: {sizing.Shape(**ours['shape']).describe()}, batch {ours['batch_size']}"
 
 
 def summary(rows: list[dict]) -> None:

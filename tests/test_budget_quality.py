@@ -52,16 +52,13 @@ def test_a_row_names_the_seconds_it_took_in_all_beside_its_training_seconds():
 def test_a_row_of_a_shape_the_run_set_names_that_shape_and_its_batch():
     """A run with model.size manual prints no sizing line, so its row read `[; dropout 0]`: nothing said what it
     trained. It names the shape and the sequences a step it trained (train.batch_size's, which the plan sizes only
-    under size auto); a row of the plan's own shape keeps the sizing's line, and rows recorded without a batch
-    still print."""
+    under size auto); a row of the plan's own shape keeps the sizing's line."""
     shape = {"d_model": 192, "n_layers": 3, "n_heads": 3, "n_kv_heads": 3, "seq_len": 256}
     ours = {"bpb": 2.0682, "seconds": 119.5, "steps": 663, "params": 1_513_152, "sizing": "", "dropout": 0.0,
             "measured": [], "shape": shape, "batch_size": 16}
     row = {"corpus": "tinyshakespeare", "budget": "2min", "variant": "s256", "seed": 1337, "ours": ours,
            "baseline": None}
     assert row_line(row).endswith("[set: d_model 192, 3 layers, 3 heads (3 kv), seq_len 256, batch 16; dropout 0]")
-    del ours["batch_size"]
-    assert row_line(row).endswith("seq_len 256; dropout 0]")
     ours["sizing"] = "d_model 256, 3 layers, 4 heads (2 kv), seq_len 256, batch 8: 2.46M params"
     assert row_line(row).endswith("[d_model 256, 3 layers, 4 heads (2 kv), seq_len 256, batch 8: 2.46M params; "
                                   "dropout 0]")

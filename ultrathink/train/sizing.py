@@ -64,16 +64,20 @@ CHINCHILLA = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
 # R*_D of Muennighoff et al. 2023: the repetitions after which added epochs are worth 1/e as much. They fitted 15.4 at
 # billions of parameters; fitted here to shapes trained side by side on small corpora (sizing_evidence.SWEEPS, each
 # shape by its repeats' means): at 5–12 epochs 15.4 kept choosing the smaller model, which measured 0.06–0.12
-# bits/byte worse. R* 4, 5 and 6 are within one run's noise of each other over the sweeps (total regret 0.176,
-# 0.169, 0.162 over 21 sweeps); the fit takes the strongest discount among them, which was 4 until three sweeps
-# measured after each epoch's windows were cut from another offset (a repeat then costs less) moved R* 6's total
-# down by 0.008.
-REPEAT_DECAY = 5.0
+# bits/byte worse. Over the 21 sweeps of November 2026 R* 4, 5 and 6 were within one run's noise of each other
+# (total regret 0.176, 0.169, 0.162), and the fit took the strongest discount among them, 5. Nine sweeps under the
+# recipe of December 2026 (the weight average, β₁ 0.8, the output's temperature, the budget's vocabulary; 2, 5 and
+# 10 minutes, the slow class emulated) moved it to 6: over all 30, R* 6 0.224 against 5's 0.248 and 4's 0.260,
+# noise 0.012. Through the real planning step R* 6 picked the best shape measured on the slow class's tiny
+# Shakespeare cell in 1 of 2 plans (R* 5: 0 of 3) and at 5 minutes in 2 of 2 (R* 5: 1 of 4), d192 × 3 on tiny
+# Shakespeare at 2 minutes in 12 of 12 (R* 5: 12 of 18), and d192 × 4 on Pride in 5 of 12 (0.006 worse than d256 × 3).
+REPEAT_DECAY = 6.0
 # Non-embedding parameters beyond this many per unique training token are credited with nothing (useful_params): the
 # most per token at which a shape measured best in its sweep (sizing_evidence.params_per_token_edge). Chinchilla's
 # A/N^α rewards size without end, and past the measured runs that is extrapolation: 2 minutes on an H200 chose 434M
 # parameters for tiny Shakespeare (886 per token), which scored no better than 14.8M trained for 12 seconds. The
-# bound changes no pick on the sweeps; it stops the law where its evidence stops.
+# bound changes one pick on the sweeps, between two shapes that measured alike (tiny Shakespeare's first 100 KB:
+# d256 × 3 for d320 × 4, 0.0002 apart); it stops the law where its evidence stops.
 MEASURED_PARAMS_PER_TOKEN = 64.0
 TOKENS_PER_PARAM = 20  # Chinchilla's compute-optimal ratio, used when the budget is in tokens
 # The optimizer steps a plan's batch is sized for (batch_for).
@@ -91,13 +95,14 @@ TARGET_STEPS = 1000
 SATURATED_STEPS = {"cpu": 1000, "cuda": 2000}
 # model.dropout null under size auto: the level tried (0.2 was never clearly better than 0.1 where dropout paid,
 # benchmarks/README.md), and R*_D with it — fitted to runs with and without it, together with the threshold below
-# (sizing_evidence.fit_dropout).
+# (sizing_evidence.fit_dropout): at R* 6, 30 (15.4 at R* 5).
 DROPOUT = 0.1
-DROPOUT_REPEAT_DECAY = 15.4
+DROPOUT_REPEAT_DECAY = 30.0
 # ... and only for a model of at least this many non-embedding parameters per unique training token: below it the
 # models measured did not overfit enough for dropout to pay even where the law said it would (0.9M parameters on
-# 0.3M tokens, 7 epochs, dropout 1.26× slower: 0.04 bits/byte worse; sizing_evidence.dropout_threshold). At R* 5
-# the law's 5-minute tiny Shakespeare shape is d256 × 3 (4.5 per token), where dropout measured better.
+# 0.3M tokens, 7 epochs, dropout 1.26× slower: 0.04 bits/byte worse; sizing_evidence.dropout_threshold). At R* 6
+# the law picks d256 × 3 in the 5-minute tiny Shakespeare sweep of November 2026 (4.5 per token), where dropout
+# measured better.
 DROPOUT_MIN_PARAMS_PER_TOKEN = 3.7
 # Beside the repeated-text decay, a model of at least this many non-embedding parameters per unique training token
 # (the law's pick when a budget is large beside its corpus: a GPU's minutes, a small corpus on a CPU) trains with
@@ -261,7 +266,7 @@ def predicted_loss(non_embedding_params: int, tokens: float, unique: float, repe
 def saturating_tokens(non_embedding_params: int, unique: float, repeat_decay: float = REPEAT_DECAY) -> float:
     """The tokens past which the law predicts a model of `non_embedding_params` on `unique` training tokens less
     than TIE better than it would ever be: repeats are worth ever less (effective_tokens tends to unique × (1 + R*)),
-    so a budget's tokens beyond these buy nothing the law can tell apart. 17–19 epochs at R* 5, 55 at dropout's."""
+    so a budget's tokens beyond these buy nothing the law can tell apart. About 22 epochs at R* 6, 105–108 at dropout's."""
     floor = predicted_loss(non_embedding_params, math.inf, unique, repeat_decay)
 
     def enough(tokens: float) -> bool:
