@@ -74,9 +74,9 @@ class Sweep:
     def pick(self, repeat_decay: float, params_per_token: float = sizing.MEASURED_PARAMS_PER_TOKEN) -> Measured:
         """The shape whose (parameters, mean tokens) the law predicts the lowest loss for. This judges the law
         alone, not the plan's tie-break (sizing.TIE: within 0.5% the cheaper shape): judged with it, the 21 sweeps
-        of then could not tell R* 4 from 5 (total regret 0.1615 against 0.1617, noise 0.013), and a fit that took R* 4 on that
-        made the real planning step pick d192 x 4 on tiny Shakespeare's 2-minute cell in 6 of 6 plans, where R* 5
-        picked d192 x 3 in 5 of 7 (measured 0.011 better than x 4), and changed no pick on Pride's
+        of then could not tell R* 4 from 5 (total regret 0.1615 against 0.1617, noise 0.013), and a fit that took
+        R* 4 on that made the real planning step pick d192 x 4 on tiny Shakespeare's 2-minute cell in 6 of 6 plans,
+        where R* 5 picked d192 x 3 in 5 of 7 (measured 0.011 better than x 4), and changed no pick on Pride's
         (benchmarks/README.md, seventy-third session)."""
         return min(self.shapes(), key=lambda m: sizing.predicted_loss(
             m.non_embedding_params, m.tokens, self.corpus_tokens, repeat_decay, params_per_token))
@@ -308,8 +308,9 @@ SWEEPS: tuple[Sweep, ...] = (
     Sweep("Pride and Prejudice, ntoll's copy (0.62 MB, vocab 768)", "5min, the recipe of 2026-12", PRIDE_768, (
         Run("d320x4", 5_082_432, 2_058_240, 1.5230), Run("d256x4", 2_951_936, 2_019_328, 1.5459),
         Run("d256x3", 2_214_016, 2_019_328, 1.5526))),
-    # Seventy-fourth session, 10 minutes, seed 1337: the plan's pick (d320 × 4, at R* 5 and at 6) beside d256 × 4. On tiny Shakespeare the smaller one's validation plateaued at step 400 (17.9 epochs planned), which
-    # ended its run at 470 s.
+    # Seventy-fourth session, 10 minutes, seed 1337: the plan's pick (d320 × 4, at R* 5 and at 6) beside d256 × 4.
+    # On tiny Shakespeare the smaller one's validation plateaued at step 400 (17.9 epochs planned), which ended its
+    # run at 470 s.
     Sweep("tiny Shakespeare (1.0 MB, vocab 960)", "10min, the recipe of 2026-12", TS_960, (
         Run("d320x4", 5_082_432, 4_472_832, 2.0287), Run("d256x4", 2_951_936, 4_038_656, 2.0459))),
     Sweep("WikiText-2 valid+test (2.1 MB, vocab 1408)", "10min, the recipe of 2026-12", WIKITEXT_1408, (
