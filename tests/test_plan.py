@@ -84,13 +84,14 @@ def test_bookkeeping_reads_the_recorded_plan_and_a_timed_cadence_is_planned_agai
 
 
 def test_a_sweep_of_knobs_no_timing_reads_shares_one_plan_and_a_timed_knob_does_not(tmp_path, monkeypatch):
-    """The learning rate, the seed, the final rate's share and Adam's betas change the weights but nothing a plan
-    measures or decides: runs that differ only in them read one plan (under a time budget: one shape, one batch, the
-    same steps). A knob a step's time depends on is another configuration."""
+    """The learning rate, the seed, the final rate's share, Adam's betas and the embedding's init change the weights
+    but nothing a plan measures or decides: runs that differ only in them read one plan (under a time budget: one
+    shape, one batch, the same steps). A knob a step's time depends on is another configuration."""
     book = PlanBook(tmp_path / "plans/train.json")
     first = planned(book)
     monkeypatch.setattr(plan_module, "decide", lambda *a, **k: pytest.fail("a sweep's run was planned again"))
-    sweep = ({"lr": 3e-4}, {"seed": 7}, {"min_lr_ratio": 0.0}, {"beta1": 0.9}, {"beta2": 0.99})
+    sweep = ({"lr": 3e-4}, {"seed": 7}, {"min_lr_ratio": 0.0}, {"beta1": 0.9}, {"beta2": 0.99},
+             {"embedding_init": "normal"})
     for change in sweep:
         again = plan_run(MODEL, TRAIN.model_copy(update=change), 64, tokens(4000), tokens(600), "cpu", 1, book)
         assert not again.measured and again.key == first.key and again.plan == first.plan, change

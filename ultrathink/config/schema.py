@@ -445,6 +445,12 @@ class TrainConfig(Section):
     init_optimizer: bool = Field(
         False, description="warm start from a checkpoint: also load its optimizer state (same optimizer and "
         "shapes); the learning-rate schedule is always this run's")
+    embedding_init: Literal["corpus", "normal"] = Field(
+        "corpus", description="a fresh model's token embedding (and a tied output): corpus = its rows from the "
+        "training split's statistics, the leading singular directions of the positive PMI of neighbouring tokens "
+        "at model.init_std (ultrathink/train/embedding_init.py; 0.002-0.021 bits/byte better held out through the "
+        "2-minute plans on three corpora, at every seed: benchmarks/README.md); normal = drawn at random like every "
+        "other weight. A warm start (init_from) keeps its parent's")
     deterministic: bool = Field(
         False, description="torch.use_deterministic_algorithms(True) (and CUBLAS_WORKSPACE_CONFIG=:4096:8, cuDNN "
         "autotuning off): bitwise repeatable runs on a GPU, at some speed; CPU kernels are deterministic already")

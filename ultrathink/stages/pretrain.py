@@ -24,6 +24,7 @@ from ultrathink.train.budget import checkpoints_apart
 from ultrathink.train.calibration import Calibration, fit_temperature, fold_temperature
 from ultrathink.train.checkpoint import CheckpointManager, Fingerprint
 from ultrathink.train.distributed import Distributed, setup
+from ultrathink.train.embedding_init import init_from_corpus
 from ultrathink.train.engine import build_engine
 from ultrathink.train.loader import ContextWarmup, TokenWindows
 from ultrathink.train.plan import Decided, Plan, PlanBook, RankProbes, apply_plan, plan_on_main, plan_run
@@ -84,6 +85,8 @@ def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[
     model = UltraThink(model_cfg, vocab_size)
     if parent is not None:
         load_parent_weights(parent, model, tok_sha, tokenizer_dir)
+    elif cfg.embedding_init == "corpus":
+        init_from_corpus(model, train_tokens, cfg.seed)
         if cfg.init_optimizer:
             check_optimizer(parent, cfg.optimizer)
     loader = TokenWindows(train_tokens, model_cfg.seq_len, cfg.batch_size, cfg.seed, rank=dist.rank,

@@ -189,7 +189,7 @@ TIMED_CADENCE = frozenset({"eval_every", "eval_batches", "checkpoint_every"})
 # _decay_from_best). Runs that differ only in these share one plan, so a sweep of the learning rate or the seed under
 # a time budget and model.size auto trains one shape for the same steps, measured once, instead of shapes and steps
 # that a busy machine's probes chose apart.
-NUMERICS_ONLY = frozenset({"seed", "lr", "min_lr_ratio", "beta1", "beta2"})
+NUMERICS_ONLY = frozenset({"seed", "lr", "min_lr_ratio", "beta1", "beta2", "embedding_init"})
 NOT_PLANNED = (TRAIN_BOOKKEEPING - TIMED_CADENCE) | {"init_optimizer"} | NUMERICS_ONLY
 
 
