@@ -17,6 +17,7 @@ from ultrathink.model import UltraThink
 from ultrathink.model.model import WEIGHTS_FILE
 from ultrathink.train.distributed import Distributed
 from ultrathink.train.embedding_init import corpus_embedding, init_from_corpus, neighbour_ppmi
+from ultrathink.train.warm_start import WarmStartError
 
 GROUP = 8  # tokens 0-7 and 8-15: each text below walks within one group at a time
 
@@ -127,3 +128,8 @@ def test_the_train_stage_draws_a_fresh_models_embedding_from_its_split_and_a_war
     warm_params = params.model_copy(update={"train": params.train.model_copy(update={"init_from": str(parent)})})
     warm, _, _ = pretrain.build_trainer(warm_params, Distributed())
     assert torch.equal(warm.model.embed.weight.detach(), load_file(parent / WEIGHTS_FILE)["embed.weight"])
+    # ... and is still checked before any work where it asks for the parent's optimizer state too.
+    with_optimizer = warm_params.model_copy(update={"train": warm_params.train.model_copy(
+        update={"init_optimizer": True})})
+    with pytest.raises(WarmStartError, match="train.init_optimizer: .* is a model, not a checkpoint"):
+        pretrain.build_trainer(with_optimizer, Distributed())

@@ -85,10 +85,10 @@ def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[
     model = UltraThink(model_cfg, vocab_size)
     if parent is not None:
         load_parent_weights(parent, model, tok_sha, tokenizer_dir)
-    elif cfg.embedding_init == "corpus":
-        init_from_corpus(model, train_tokens, cfg.seed)
         if cfg.init_optimizer:
             check_optimizer(parent, cfg.optimizer)
+    elif cfg.embedding_init == "corpus":
+        init_from_corpus(model, train_tokens, cfg.seed)
     loader = TokenWindows(train_tokens, model_cfg.seq_len, cfg.batch_size, cfg.seed, rank=dist.rank,
                           world_size=dist.world_size, grad_accum=cfg.grad_accum)
     engine = build_engine(ready_model(model, cfg, plan.kernel, dist), cfg, dist)
