@@ -998,23 +998,23 @@ def test_train_stage_spends_a_budget_records_the_plan_and_reuses_it(tmp_path, mo
     monkeypatch.chdir(project)
     monkeypatch.setattr(plan_module, "decide", lambda *a, **k: pytest.fail("a recorded plan was re-measured"))
     params = load_params(project / "params.yaml")
-    trainer, _, again = pretrain.build_trainer(params, Distributed())
+    trainer, _, again, resumed = pretrain.build_trainer(params, Distributed())
     assert not again.measured and again.plan.to_dict() == plan and trainer.cfg.max_steps == plan["max_steps"]
     assert trainer.engine.optimizers[0].param_groups[0]["weight_decay"] == plan["weight_decay"]
     assert run.data.params["plan.seq_len_warmup_steps"] == str(plan["seq_len_warmup_steps"])
     assert trainer.context == (ContextWarmup(plan["seq_len_warmup_steps"], config["seq_len"])
                                if plan["seq_len_warmup_steps"] else None)
-    assert trainer.resume() == plan["max_steps"]
+    assert resumed == plan["max_steps"]
 
     # A sweep of the learning rate and the seed (`dvc exp run -S train.lr=... -S train.seed=...`) reads the same
     # plan: the same shape, batch and steps, nothing measured; its weights are its own (another configuration).
     sweep = {"lr": params.train.lr / 3, "seed": params.train.seed + 1}
     params = params.model_copy(update={"train": params.train.model_copy(update=sweep)})
-    swept, _, read = pretrain.build_trainer(params, Distributed())
+    swept, _, read, swept_resumed = pretrain.build_trainer(params, Distributed())
     assert not read.measured and read.key == again.key and read.plan.to_dict() == plan
     assert swept.model.cfg == trainer.model.cfg and swept.cfg.batch_size == trainer.cfg.batch_size
     assert swept.cfg.max_steps == plan["max_steps"] and swept.cfg.lr == sweep["lr"]
-    assert swept.checkpoints.fingerprint != trainer.checkpoints.fingerprint and swept.resume() is None
+    assert swept.checkpoints.fingerprint != trainer.checkpoints.fingerprint and swept_resumed is None
 
 
 @pytest.mark.spawns

@@ -111,23 +111,34 @@ def test_the_train_stage_draws_a_fresh_models_embedding_from_its_split_and_a_war
     assert params.train.embedding_init == "corpus"
     prepared = Path(params.paths.prepared_dir)
     vocab = read_meta(prepared)["vocab_size"]
+    computed = []
+    monkeypatch.setattr(pretrain, "init_from_corpus", lambda *args: computed.append(args) or init_from_corpus(*args))
 
-    fresh, _, _ = pretrain.build_trainer(params, Distributed())
+    # The project's run resumes from its checkpoint: the init it would overwrite is never computed (at a large
+    # vocabulary it costs most of a minute: benchmarks/README.md).
+    resumed = pretrain.build_trainer(params, Distributed())
+    assert resumed.resumed == resumed.trainer.cfg.max_steps and computed == []
+
+    fresh_params = params.model_copy(update={"train": params.train.model_copy(update={"resume": False})})
+    fresh, _, _, started = pretrain.build_trainer(fresh_params, Distributed())
+    assert started is None and len(computed) == 1
     model_cfg = fresh.model.cfg
     expected = corpus_embedding(load_split(prepared, "train"), vocab, model_cfg.d_model, model_cfg.init_std,
                                 params.train.seed)
     assert torch.equal(fresh.model.embed.weight.detach(), expected)
+    assert not torch.equal(resumed.trainer.model.embed.weight.detach(), expected)  # the checkpoint's, trained
 
     drawn_params = params.model_copy(update={"train": params.train.model_copy(update={"embedding_init": "normal"})})
-    drawn, _, _ = pretrain.build_trainer(drawn_params, Distributed())
+    drawn, _, _, _ = pretrain.build_trainer(drawn_params, Distributed())
     torch.manual_seed(params.train.seed)
     assert torch.equal(drawn.model.embed.weight.detach(), UltraThink(model_cfg, vocab).embed.weight)
     assert fresh.checkpoints.fingerprint != drawn.checkpoints.fingerprint  # two configurations' checkpoints
 
     parent = project / "artifacts/model"
     warm_params = params.model_copy(update={"train": params.train.model_copy(update={"init_from": str(parent)})})
-    warm, _, _ = pretrain.build_trainer(warm_params, Distributed())
+    warm, _, _, _ = pretrain.build_trainer(warm_params, Distributed())
     assert torch.equal(warm.model.embed.weight.detach(), load_file(parent / WEIGHTS_FILE)["embed.weight"])
+    assert len(computed) == 1  # neither the drawn nor the warm-started embedding is the corpus's
     # ... and is still checked before any work where it asks for the parent's optimizer state too.
     with_optimizer = warm_params.model_copy(update={"train": warm_params.train.model_copy(
         update={"init_optimizer": True})})

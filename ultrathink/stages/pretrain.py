@@ -6,6 +6,7 @@ import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -57,11 +58,19 @@ def weights_fingerprint(params: Params, prepared: Path, plan: Plan, parent: Pare
                        json_hash(plan.decisions()))
 
 
-def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[Trainer, Parent | None, Decided]:
+class Built(NamedTuple):
+    trainer: Trainer
+    parent: Parent | None
+    decided: Decided
+    resumed: int | None  # the step the trainer resumed at; None for a fresh start
+
+
+def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> Built:
     """The model (warm-started when train.init_from says so, after checking that the parent fits), its data and
     the checkpoint folder of exactly this configuration, trained as the plan says: the precision, attention kernel,
     compile, steps and (model.size auto) shape decided once per configuration and machine class and recorded in
-    paths.train_plan (plan.py), so every run of this configuration on this class computes the same bits."""
+    paths.train_plan (plan.py), so every run of this configuration on this class computes the same bits. The
+    trainer comes resumed from the configuration's newest checkpoint where train.resume finds one."""
     p, cfg = params.paths, params.train
     prepared, tokenizer_dir = Path(p.prepared_dir), Path(p.tokenizer_dir)
     meta = read_meta(prepared)
@@ -81,13 +90,14 @@ def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[
     checkpoints = CheckpointManager(p.checkpoint_dir, weights_fingerprint(params, prepared, plan, parent),
                                     cfg.keep_checkpoints, cfg.keep_configs,
                                     extra={"tokenizer_sha256": tok_sha, "optimizer": cfg.optimizer})
+    latest = checkpoints.latest() if cfg.resume else None
     torch.manual_seed(cfg.seed)
     model = UltraThink(model_cfg, vocab_size)
     if parent is not None:
         load_parent_weights(parent, model, tok_sha, tokenizer_dir)
         if cfg.init_optimizer:
             check_optimizer(parent, cfg.optimizer)
-    elif cfg.embedding_init == "corpus":
+    elif cfg.embedding_init == "corpus" and latest is None:  # a resumed run's embedding is the checkpoint's
         init_from_corpus(model, train_tokens, cfg.seed)
     loader = TokenWindows(train_tokens, model_cfg.seq_len, cfg.batch_size, cfg.seed, rank=dist.rank,
                           world_size=dist.world_size, grad_accum=cfg.grad_accum)
@@ -95,7 +105,7 @@ def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> tuple[
     context = ContextWarmup(plan.seq_len_warmup_steps, model_cfg.seq_len) if plan.seq_len_warmup_steps else None
     trainer = Trainer(engine, loader, val_tokens, cfg, checkpoints, log_metrics, dist, peak_flops=decided.peak_flops,
                       deadline=deadline(params, decided, dist), context=context)
-    return trainer, parent, decided
+    return Built(trainer, parent, decided, trainer.resume_from(latest))
 
 
 def deadline(params: Params, decided: Decided, dist: Distributed) -> Deadline | None:
@@ -131,8 +141,7 @@ def pretrain(params: Params) -> None:
     use_deterministic_kernels(cfg.deterministic)
     dist = setup(cfg.backend)
     try:
-        trainer, parent, decided = build_trainer(params, dist)
-        resumed = trainer.resume()
+        trainer, parent, decided, resumed = build_trainer(params, dist)
         if dist.is_main:
             log.warning("%s", decided.describe())
         if resumed is None and parent is not None and cfg.init_optimizer:

@@ -21,7 +21,7 @@ from ultrathink.config import TrainConfig
 from ultrathink.device import is_cuda
 from ultrathink.errors import StageError
 from ultrathink.train.averaging import WeightAverage, ema_horizon_for
-from ultrathink.train.checkpoint import CheckpointManager
+from ultrathink.train.checkpoint import Checkpoint, CheckpointManager
 from ultrathink.train.distributed import Distributed
 from ultrathink.train.engine import Engine, autocast
 from ultrathink.train.loader import BatchLayout, ContextWarmup, TokenStreamEval, TokenWindows
@@ -196,6 +196,11 @@ class Trainer:
     def resume(self) -> int | None:
         """Continue from the latest intact checkpoint of this configuration; otherwise start fresh. Checkpoints
         of other configurations are never resumed and never deleted here."""
+        return self.resume_from(self.checkpoints.latest() if self.cfg.resume else None)
+
+    def resume_from(self, latest: Checkpoint | None) -> int | None:
+        """resume() where the caller has looked up `latest` already (this configuration's newest intact
+        checkpoint where train.resume is on; its files are verified by the lookup, once)."""
         if not self.cfg.resume:
             aside = self.checkpoints.set_aside() if self.dist.is_main else None
             self.dist.barrier()
@@ -203,7 +208,6 @@ class Trainer:
                 log.warning("train.resume is false: starting over; this configuration's earlier checkpoints are "
                             "kept in %s", aside)
             return None
-        latest = self.checkpoints.latest()
         if latest is None:
             self._explain_fresh_start()
             return None
