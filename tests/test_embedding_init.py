@@ -17,7 +17,7 @@ from ultrathink.model import UltraThink
 from ultrathink.model.model import WEIGHTS_FILE
 from ultrathink.train.distributed import Distributed
 from ultrathink.train.embedding_init import corpus_embedding, init_from_corpus, neighbour_ppmi
-from ultrathink.train.warm_start import WarmStartError
+from ultrathink.train.warm_start import WarmStartError, load_parent_weights
 
 GROUP = 8  # tokens 0-7 and 8-15: each text below walks within one group at a time
 
@@ -136,9 +136,19 @@ def test_the_train_stage_draws_a_fresh_models_embedding_from_its_split_and_a_war
 
     parent = project / "artifacts/model"
     warm_params = params.model_copy(update={"train": params.train.model_copy(update={"init_from": str(parent)})})
+    loaded = []
+    monkeypatch.setattr(pretrain, "load_parent_weights",
+                        lambda *args: loaded.append(args) or load_parent_weights(*args))
     warm, _, _, _ = pretrain.build_trainer(warm_params, Distributed())
     assert torch.equal(warm.model.embed.weight.detach(), load_file(parent / WEIGHTS_FILE)["embed.weight"])
     assert len(computed) == 1  # neither the drawn nor the warm-started embedding is the corpus's
+    # A warm start that resumes its own checkpoint takes its weights from there: the parent's are not read again.
+    warm.model.embed.weight.data.add_(1.0)
+    warm.step = 3
+    warm.save_checkpoint()
+    again = pretrain.build_trainer(warm_params, Distributed())
+    assert again.resumed == 3 and len(loaded) == 1
+    assert torch.equal(again.trainer.model.embed.weight.detach(), warm.model.embed.weight.detach())
     # ... and is still checked before any work where it asks for the parent's optimizer state too.
     with_optimizer = warm_params.model_copy(update={"train": warm_params.train.model_copy(
         update={"init_optimizer": True})})

@@ -93,11 +93,13 @@ def build_trainer(params: Params, dist: Distributed, log_metrics=None) -> Built:
     latest = checkpoints.latest() if cfg.resume else None
     torch.manual_seed(cfg.seed)
     model = UltraThink(model_cfg, vocab_size)
+    fresh = latest is None  # a resumed run's weights are the checkpoint's: none are read or drawn for it
     if parent is not None:
-        load_parent_weights(parent, model, tok_sha, tokenizer_dir)
+        if fresh:
+            load_parent_weights(parent, model, tok_sha, tokenizer_dir)
         if cfg.init_optimizer:
             check_optimizer(parent, cfg.optimizer)
-    elif cfg.embedding_init == "corpus" and latest is None:  # a resumed run's embedding is the checkpoint's
+    elif cfg.embedding_init == "corpus" and fresh:
         init_from_corpus(model, train_tokens, cfg.seed)
     loader = TokenWindows(train_tokens, model_cfg.seq_len, cfg.batch_size, cfg.seed, rank=dist.rank,
                           world_size=dist.world_size, grad_accum=cfg.grad_accum)
