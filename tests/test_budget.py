@@ -1133,13 +1133,14 @@ MATMUL_CASES = {  # (kv heads, keys, SDPA's arguments) for 4 query heads of 5 to
     "no mask": (4, 5, {})}
 
 
-def assert_matmul_attention_is_sdpa(q, k, v, **sdpa) -> torch.Tensor:
-    """matmul_attention's outputs and gradients equal F.scaled_dot_product_attention's, in float64 to the last bits
-    (the gradient of an uneven weighting of the outputs, so each output counts); SDPA's output."""
+def assert_matmul_attention_is_sdpa(q, k, v, compiled=None, **sdpa) -> torch.Tensor:
+    """matmul_attention's outputs and gradients (or those of `compiled`, a compiled matmul_attention) equal
+    F.scaled_dot_product_attention's, in float64 to the last bits (the gradient of an uneven weighting of the
+    outputs, so each output counts); SDPA's output."""
     from ultrathink.model.kernels import matmul_attention
 
     outputs, grads = [], []
-    for attention in (matmul_attention, torch.nn.functional.scaled_dot_product_attention):
+    for attention in (compiled or matmul_attention, torch.nn.functional.scaled_dot_product_attention):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         y = attention(*leaves, **sdpa)
         y.backward(torch.ones_like(y).cumsum(-1))
@@ -1181,6 +1182,37 @@ def test_a_long_causal_window_in_blocks_of_queries_computes_what_sdpa_computes(l
                          for _ in range(200)])
     assert not torch.allclose(draws[0, ..., -1, :], draws[1, ..., -1, :])  # the last block drops weights too
     assert (draws.mean(0) - exact).abs().mean() < 0.1 * exact.abs().mean()
+
+
+def test_under_compile_the_causal_softmax_is_one_operator_with_sdpas_values():
+    """Compiled, matmul attention's causal softmax is the opaque ultrathink::causal_softmax, whose mask is a tensor
+    it reads (traced, Inductor rebuilt the mask from indices at every score: ultrathink/model/kernels.py), not a
+    mask built in the graph; the operator's registration passes torch's checks (its fake tensor, its autograd, the
+    blocks' offsets); and the compiled function computes SDPA's values and gradients in float64, a long window's
+    blocks included."""
+    from ultrathink.model.kernels import matmul_attention
+
+    for dtype, first in ((torch.float64, 0), (torch.bfloat16, 3)):
+        scores = torch.randn(2, 3, 4, 4 + first, dtype=dtype, requires_grad=True)
+        torch.library.opcheck(torch.ops.ultrathink.causal_softmax, (scores, first))
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    generator = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 300, 4, dtype=torch.float64, generator=generator) for _ in range(3))
+    compiled = torch.compile(matmul_attention, backend=recording, fullgraph=True)
+    try:
+        exact = assert_matmul_attention_is_sdpa(q, k, v, is_causal=True, compiled=compiled)
+    finally:
+        torch._dynamo.reset()
+    assert exact.shape == q.shape and len(graphs) == 1
+    # 256 queries against their 256 keys, then the last 44 against all 300: each block's softmax is the operator
+    assert [line.split("causal_softmax")[1] for line in graphs[0].splitlines() if "causal_softmax" in line] == [
+        "(scores, 0);  scores = None", "(scores_1, 256);  scores_1 = None"]
+    assert "triu" not in graphs[0] and "torch.softmax" not in graphs[0]
 
 
 def test_matmul_attention_runs_in_bf16_under_autocast_and_its_dropout_keeps_the_expectation():
