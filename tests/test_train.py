@@ -587,12 +587,25 @@ def test_the_dense_model_traces_to_one_graph_with_every_attention_kernel(device,
 
 @pytest.mark.spawns
 def test_compiled_training_matches_eager(tmp_path):
+    """With matmul attention (what `auto` picks for a bf16 CPU's shapes), whose causal softmax a compiled step calls
+    as an operator of its own (kernels.causal_softmax): Inductor's step trains the eager step's losses. Torch's
+    attention compiled is test_compile_ranks.py's."""
+    from torch.profiler import ProfilerActivity, profile
+
     no_dropout = MODEL.model_copy(update={"dropout": 0.0})  # compiled code draws dropout masks differently
-    eager = make_trainer(tmp_path / "eager", 3, model_cfg=no_dropout, eval_every=100)
-    compiled = make_trainer(tmp_path / "compiled", 3, model_cfg=no_dropout, eval_every=100, compile=True)
+    eager = make_trainer(tmp_path / "eager", 3, model_cfg=no_dropout, eval_every=100, attention="matmul")
+    compiled = make_trainer(tmp_path / "compiled", 3, model_cfg=no_dropout, eval_every=100, compile=True,
+                            attention="matmul")
     assert compiled.engine.module is not compiled.model  # really an OptimizedModule
-    losses = [[t.train_step()[0] for _ in range(3)] for t in (eager, compiled)]
+    assert compiled.model.attention_kernel() == AttentionKernel("matmul", False)
+    losses = [[eager.train_step()[0] for _ in range(3)]]
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as traced:
+            losses.append([compiled.train_step()[0] for _ in range(3)])
+    finally:
+        torch._dynamo.reset()
     assert losses[0] == pytest.approx(losses[1], rel=1e-4)
+    assert "ultrathink::causal_softmax" in {event.key for event in traced.key_averages()}
 
 
 def test_a_time_budget_never_replans_past_the_plans_step_ceiling(tmp_path):
