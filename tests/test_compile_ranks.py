@@ -43,10 +43,14 @@ def one(tmp_path_factory) -> Path:
     return train_run(tmp_path_factory.mktemp("one"), "one", False, compile=False)
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
-def test_compiled_training_on_two_ranks_takes_one_eager_process_steps(one, backend, tmp_path):
-    two = train_run(tmp_path, backend, True, backend=backend)
+# FSDP's ranks run matmul attention, whose compiled causal softmax is an operator of its own (kernels.causal_softmax);
+# in fp32 it computes what torch's kernel does in the one eager process.
+@pytest.mark.parametrize("backend, attention", [("ddp", "torch"), ("fsdp", "matmul")])
+def test_compiled_training_on_two_ranks_takes_one_eager_process_steps(one, backend, attention, tmp_path):
+    two = train_run(tmp_path, backend, True, backend=backend, attention=attention)
     assert compiled_kernels(two) and not compiled_kernels(one)  # inductor generated code for the ranks' run only
+    calls_the_operator = any("causal_softmax" in path.read_text() for path in compiled_kernels(two))
+    assert calls_the_operator == (attention == "matmul")
     a, b = history(one), history(two)
     assert [h["step"] for h in a] == [h["step"] for h in b] == list(range(1, STEPS + 1))
     for x, y in zip(a, b):
