@@ -132,6 +132,8 @@ def test_the_model_takes_them_and_trains_alike(monkeypatch, qk_norm):
             if p.dim() == 1:
                 p.copy_(1 + 0.3 * torch.randn_like(p))  # norm weights away from 1: a skipped weight would show
     tokens = torch.randint(0, 97, (3, 32))
+    q, k, _ = model.blocks[0].attn.project(torch.randn(3, 32, 64), *model.rotary(0, 32))
+    assert q.transpose(1, 2).is_contiguous() and k.transpose(1, 2).is_contiguous()  # attention's matmuls copy neither
     calls = {"rms_norm": 0, "rotary": 0}
     for name in calls:
         monkeypatch.setattr(cpu_kernels, name, counted(calls, name, getattr(cpu_kernels, name)))
@@ -211,6 +213,36 @@ def test_rotary_bf16_and_where_it_does_not_apply():
     assert not cpu_kernels.rotary_applies(x, cos.clone().requires_grad_())
     assert not cpu_kernels.rotary_applies(x[..., :63], cos[..., :63])  # an odd head size
 
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_heads_first_stores_the_same_values_for_attention_and_reads_its_gradient_in_place(dtype):
+    """heads_first: the same values, stored so that the (B, heads, T, hd) transpose attention's matmuls take is
+    contiguous (no copy before them); and a gradient that comes back in that layout is read through its strides,
+    with the same bits as the same gradient packed."""
+    torch.manual_seed(6)
+    x = (torch.randn(3, 11, 4, 32) * 2).to(dtype)
+    cos, sin = rotary_tables((11,), 32)
+    weight = torch.rand(32) + 0.5
+    packed = cpu_kernels.rotary(x, cos, sin, weight, EPS)
+    first = cpu_kernels.rotary(x, cos, sin, weight, EPS, heads_first=True)
+    assert torch.equal(first, packed) and first.shape == packed.shape == x.shape
+    assert first.transpose(1, 2).is_contiguous() and not packed.transpose(1, 2).is_contiguous()
+
+    upstream = torch.randn(3, 4, 11, 32).to(dtype).transpose(1, 2)  # as attention's matmuls hand it back
+
+    def grads(up, heads_first):
+        leaf, w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        cpu_kernels.rotary(leaf, cos, sin, w, EPS, heads_first=heads_first).backward(up)
+        return leaf.grad, w.grad
+
+    expected = grads(upstream.contiguous(), False)
+    for heads_first in (True, False):
+        for got, want in zip(grads(upstream, heads_first), expected):
+            assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="heads first"):
+        cpu_kernels.rotary(x[0], cos, sin, weight, EPS, heads_first=True)  # (T, heads, hd): no batch to go under
 
 def test_compiled_norm_takes_torch_path_in_one_graph():
     """Under torch.compile the norm is torch's form (Inductor fuses it): no graph break, the same values."""

@@ -159,9 +159,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dty
 
 class _Rotary(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cos, sin, weight, eps):
+    def forward(ctx, x, cos, sin, weight, eps, heads_first):
         x = x.contiguous()
-        y, rstd = kernel().rotary_forward(x, cos, sin, weight, eps)
+        y, rstd = kernel().rotary_forward(x, cos, sin, weight, eps, heads_first)
         ctx.save_for_backward(x, cos, sin, weight, rstd)
         return y
 
@@ -169,7 +169,7 @@ class _Rotary(torch.autograd.Function):
     def backward(ctx, dy):
         x, cos, sin, weight, rstd = ctx.saved_tensors
         dx, dweight = kernel().rotary_backward(dy, x, cos, sin, weight, rstd)
-        return dx, None, None, None if weight is None else dweight, None
+        return dx, None, None, None if weight is None else dweight, None, None
 
 
 def rotary_applies(x: torch.Tensor, cos: torch.Tensor) -> bool:
@@ -181,13 +181,14 @@ def rotary_applies(x: torch.Tensor, cos: torch.Tensor) -> bool:
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None = None,
-           eps: float = 0.0) -> torch.Tensor:
+           eps: float = 0.0, heads_first: bool = False) -> torch.Tensor:
     """x (..., heads, head_dim) rotated by the angles of cos/sin (positions..., head_dim), after an RMSNorm with
     `weight` if one is given: `apply_rotary(rms_norm(x))` computed in fp32 and rounded once to x's dtype, in one pass
-    each way. Only where `rotary_applies(x, cos)`."""
+    each way. Only where `rotary_applies(x, cos)`. heads_first (x (B, T, heads, head_dim)): the result, of x's shape,
+    is stored heads first, so that its transpose(1, 2) is contiguous, as attention's matmuls read it."""
     head_dim = x.shape[-1]
     tables = (t.reshape(-1, head_dim).float().contiguous() for t in (cos, sin))
-    return _Rotary.apply(x, *tables, None if weight is None else weight.float().contiguous(), eps)
+    return _Rotary.apply(x, *tables, None if weight is None else weight.float().contiguous(), eps, heads_first)
 
 
 def prebuild() -> None:

@@ -152,7 +152,8 @@ class Attention(nn.Module):
         """x (B, T, d); cos/sin (T, head_dim), or (B, T, head_dim) for tokens at their own positions. `mask`
         (boolean, True = may attend) replaces the causal mask; routed blocks pass one in generation (dre.py)."""
         B, T, _ = x.shape
-        q, k, v = (t.transpose(1, 2) for t in self.project(x, cos, sin))  # (B, heads, T, head_dim)
+        # (B, heads, T, head_dim); eager on a CPU the fused kernel stores q and k so, and attention copies neither
+        q, k, v = (t.transpose(1, 2) for t in self.project(x, cos, sin))
         past = cache.length if cache is not None else 0
         if cache is not None:
             k, v = cache.update(layer, k, v)
@@ -177,8 +178,10 @@ class Attention(nn.Module):
 
     @staticmethod
     def rotated(x, norm: RMSNorm | None, cos, sin) -> torch.Tensor:
-        """What `apply_rotary(norm(x), ...)` computes, through the fused CPU kernel."""
-        return cpu_kernels.rotary(x, cos, sin, *(() if norm is None else (norm.weight, norm.eps)))
+        """What `apply_rotary(norm(x), ...)` computes, through the fused CPU kernel; a (B, T, heads, head_dim) result
+        stored heads first, as forward's attention reads it."""
+        return cpu_kernels.rotary(x, cos, sin, *(() if norm is None else (norm.weight, norm.eps)),
+                                  heads_first=x.dim() == 4)
 
     def mix(self, q, k, v, mask=None, causal: bool = False) -> torch.Tensor:
         """Scaled dot-product attention over (B, heads, T, head_dim) queries, keys and values."""

@@ -33,6 +33,25 @@ template <> c10::BFloat16 from_float<c10::BFloat16>(float f) {
 
 constexpr int64_t kRowsPerTask = 16;
 
+// Where each row of d values starts in a (batch, positions, heads, d) tensor whose last dimension is contiguous and
+// whose other three have any strides: row r counts in the logical order (batch, then positions, then heads). So the
+// rotation can write its output heads first, as attention's matmuls read it (Attention.forward transposes it to
+// (batch, heads, positions, d)), and read a gradient that comes back in that layout, without a copy either way.
+struct Rows {
+  int64_t heads, positions, head_stride, position_stride, batch_stride;
+  int64_t operator()(int64_t r) const {
+    return r / (heads * positions) * batch_stride + (r / heads) % positions * position_stride + r % heads * head_stride;
+  }
+};
+
+// Rows packed one after the other, d values apart.
+Rows packed(int64_t d) { return {1, 1, d, d, d}; }
+
+Rows rows_of(const torch::Tensor& t) {
+  TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, "a (batch, positions, heads, d) tensor with contiguous rows");
+  return {t.size(2), t.size(1), t.stride(2), t.stride(1), t.stride(0)};
+}
+
 // Rows of d values (x: rows x d), each normalised when Norm, then rotated when Rotate:
 //   n = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps) (kept for the backward), else n = x;
 //   y = n * cos + rotate_half(n) * sin, where rotate_half(n) = (-n[h:], n[:h]) for h = d / 2 (as Hugging Face's
@@ -42,7 +61,7 @@ constexpr int64_t kRowsPerTask = 16;
 // the output's: x's own, or bf16 from fp32 (a norm feeding matmuls under bf16 autocast).
 template <typename T, typename O, bool Norm, bool Rotate, int64_t D>
 void forward_rows(const T* __restrict__ x, const float* __restrict__ cos, const float* __restrict__ sin,
-                  const float* __restrict__ w, O* __restrict__ y, float* __restrict__ rstd, int64_t rows,
+                  const float* __restrict__ w, O* __restrict__ y, Rows out, float* __restrict__ rstd, int64_t rows,
                   int64_t width, int64_t heads, int64_t positions, float eps) {
   static_assert(Norm || Rotate, "nothing to compute");
   const int64_t d = D ? D : width, h = d / 2;
@@ -51,7 +70,7 @@ void forward_rows(const T* __restrict__ x, const float* __restrict__ cos, const 
     float* __restrict__ n = buffer.data();
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * d;
-      O* yr = y + r * d;
+      O* yr = y + out(r);
       float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
       for (int64_t i = 0; i < d; ++i) {
@@ -88,9 +107,9 @@ void forward_rows(const T* __restrict__ x, const float* __restrict__ cos, const 
 // (without a rotation dn = dy, read as the norm's loop goes). Then the norm's: with x̂ = x * rstd and g = dn * w,
 // dx = rstd * (g - x̂ * mean(g * x̂)) and dw = Σ_rows dn * x̂ (each thread sums its own rows into its own buffer; the
 // buffers are added in thread order, so a given thread count gives the same bits). Without a norm dx = dn. dy is
-// of the forward's output type O, dx of x's type T.
+// of the forward's output type O, its rows where `in` says; dx of x's type T, packed.
 template <typename T, typename O, bool Norm, bool Rotate, int64_t D>
-void backward_rows(const O* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ cos,
+void backward_rows(const O* __restrict__ dy, Rows in, const T* __restrict__ x, const float* __restrict__ cos,
                    const float* __restrict__ sin, const float* __restrict__ w, const float* __restrict__ rstd,
                    T* __restrict__ dx, float* __restrict__ dw, int64_t rows, int64_t width, int64_t heads,
                    int64_t positions) {
@@ -104,7 +123,7 @@ void backward_rows(const O* __restrict__ dy, const T* __restrict__ x, const floa
     float* __restrict__ dn = buffers.data();
     float* __restrict__ normed = buffers.data() + d;
     for (int64_t r = begin; r < end; ++r) {
-      const O* dyr = dy + r * d;
+      const O* dyr = dy + in(r);
       if (Rotate) {
         const int64_t p = (r / heads) % positions;
         const float* c = cos + p * d;
@@ -189,8 +208,8 @@ std::vector<torch::Tensor> rms_norm_forward(torch::Tensor x, const torch::Tensor
     using T = decltype(t);
     using O = decltype(o);
     forward_rows<T, O, decltype(n)::value, false, decltype(width)::value>(
-        x.data_ptr<T>(), nullptr, nullptr, w.data_ptr<float>(), y.data_ptr<O>(), rstd.data_ptr<float>(), rows, d, 1,
-        1, static_cast<float>(eps));
+        x.data_ptr<T>(), nullptr, nullptr, w.data_ptr<float>(), y.data_ptr<O>(), packed(d), rstd.data_ptr<float>(),
+        rows, d, 1, 1, static_cast<float>(eps));
   });
   return {y, rstd};
 }
@@ -205,7 +224,7 @@ std::vector<torch::Tensor> rms_norm_backward(torch::Tensor dy, const torch::Tens
     using T = decltype(t);
     using O = decltype(o);
     backward_rows<T, O, decltype(n)::value, false, decltype(width)::value>(
-        dy.data_ptr<O>(), x.data_ptr<T>(), nullptr, nullptr, w.data_ptr<float>(), rstd.data_ptr<float>(),
+        dy.data_ptr<O>(), packed(d), x.data_ptr<T>(), nullptr, nullptr, w.data_ptr<float>(), rstd.data_ptr<float>(),
         dx.data_ptr<T>(), dw.data_ptr<float>(), rows, d, 1, 1);
   });
   return {dx, dw};
@@ -219,21 +238,25 @@ void check_tables(const torch::Tensor& x, const torch::Tensor& cos, const torch:
                 "rotary: contiguous fp32 cos/sin tables (positions, head_dim) that tile the input's positions");
 }
 
+// heads_first: x is (batch, positions, heads, d) and y, of the same shape, is stored as (batch, heads, positions, d).
 std::vector<torch::Tensor> rotary_forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
-                                          const c10::optional<torch::Tensor>& w, double eps) {
+                                          const c10::optional<torch::Tensor>& w, double eps, bool heads_first) {
   const bool norm = w.has_value();
   check_input(x);
   if (norm) check_weight(x, *w);
   check_tables(x, cos, sin);
   x = x.contiguous();
+  TORCH_CHECK(!heads_first || x.dim() == 4, "rotary: heads first takes a (batch, positions, heads, d) input");
   const int64_t d = x.size(-1), heads = x.size(-2), rows = x.numel() / d;
-  auto y = torch::empty_like(x);
+  auto y = heads_first ? torch::empty({x.size(0), x.size(2), x.size(1), d}, x.options()).transpose(1, 2)
+                       : torch::empty_like(x);
   auto rstd = torch::empty({norm ? rows : 0}, x.options().dtype(torch::kFloat));
   dispatch<true>(x, x.scalar_type(), norm, [&](auto t, auto, auto n, auto width) {
     using T = decltype(t);
     forward_rows<T, T, decltype(n)::value, true, decltype(width)::value>(
         x.data_ptr<T>(), cos.data_ptr<float>(), sin.data_ptr<float>(), norm ? w->data_ptr<float>() : nullptr,
-        y.data_ptr<T>(), rstd.data_ptr<float>(), rows, d, heads, cos.size(0), static_cast<float>(eps));
+        y.data_ptr<T>(), heads_first ? rows_of(y) : packed(d), rstd.data_ptr<float>(), rows, d, heads, cos.size(0),
+        static_cast<float>(eps));
   });
   return {y, rstd};
 }
@@ -242,16 +265,18 @@ std::vector<torch::Tensor> rotary_backward(torch::Tensor dy, const torch::Tensor
                                            const torch::Tensor& sin, const c10::optional<torch::Tensor>& w,
                                            const torch::Tensor& rstd) {
   const bool norm = w.has_value();
-  dy = dy.to(x.scalar_type()).contiguous();
+  dy = dy.to(x.scalar_type());
+  const bool strided = dy.dim() == 4 && dy.stride(3) == 1;  // e.g. heads first, as attention's matmuls give it back
+  if (!strided) dy = dy.contiguous();
   const int64_t d = x.size(-1), heads = x.size(-2), rows = x.numel() / d;
   auto dx = torch::empty_like(x);
   auto dw = torch::zeros({norm ? d : 0}, x.options().dtype(torch::kFloat));
   dispatch<true>(x, x.scalar_type(), norm, [&](auto t, auto, auto n, auto width) {
     using T = decltype(t);
     backward_rows<T, T, decltype(n)::value, true, decltype(width)::value>(
-        dy.data_ptr<T>(), x.data_ptr<T>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-        norm ? w->data_ptr<float>() : nullptr, rstd.data_ptr<float>(), dx.data_ptr<T>(), dw.data_ptr<float>(), rows,
-        d, heads, cos.size(0));
+        dy.data_ptr<T>(), strided ? rows_of(dy) : packed(d), x.data_ptr<T>(), cos.data_ptr<float>(),
+        sin.data_ptr<float>(), norm ? w->data_ptr<float>() : nullptr, rstd.data_ptr<float>(), dx.data_ptr<T>(),
+        dw.data_ptr<float>(), rows, d, heads, cos.size(0));
   });
   return {dx, dw};
 }
