@@ -1129,6 +1129,9 @@ MATMUL_CASES = {  # (kv heads, keys, SDPA's arguments) for 4 query heads of 5 to
     "a boolean mask over a cached prefix": (4, 7, dict(attn_mask=CACHED_PREFIX)),
     "an additive mask": (4, 7, dict(attn_mask=torch.linspace(-3, 3, 35, dtype=torch.float64).view(5, 7))),
     "grouped-query, causal": (2, 5, dict(is_causal=True, enable_gqa=True)),
+    "grouped-query, a boolean mask over a cached prefix": (2, 7, dict(attn_mask=CACHED_PREFIX, enable_gqa=True)),
+    "grouped-query, an additive mask per query head": (
+        1, 7, dict(attn_mask=torch.linspace(-3, 3, 140, dtype=torch.float64).view(4, 5, 7), enable_gqa=True)),
     "a scale of its own": (4, 5, dict(scale=0.3)),
     "no mask": (4, 5, {})}
 
@@ -1162,6 +1165,36 @@ def test_matmul_attention_computes_what_sdpa_computes_and_its_gradients(case):
     q = torch.randn(2, 4, 5, 8, dtype=torch.float64, generator=generator)
     k, v = (torch.randn(2, kv_heads, keys, 8, dtype=torch.float64, generator=generator) for _ in range(2))
     assert_matmul_attention_is_sdpa(q, k, v, **kwargs)
+
+
+def test_grouped_query_attention_never_repeats_keys_and_values():
+    """With fewer key heads than query heads, matmul attention reads each key and value head once for its group of
+    query heads: no operator repeats them forward (repeat_interleave wrote them out with a clone), none sums their
+    gradients back over copies; two matmuls forward, four backward. And it refuses what SDPA refuses: unequal heads
+    without enable_gqa."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ultrathink.model.kernels import matmul_attention
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    q = torch.randn(2, 6, 16, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2, 16, 8, requires_grad=True) for _ in range(2))
+    with Calls() as calls:
+        y = matmul_attention(q, k, v, is_causal=True, enable_gqa=True)
+        y.backward(torch.ones_like(y))
+    repeating = {"repeat_interleave", "index_select", "repeat", "clone", "sum", "index_add"}
+    assert not repeating & set(calls.names), calls.names
+    assert calls.names.count("bmm") == 2 + 4
+    with pytest.raises(ValueError, match="6 query heads and 2 key heads need enable_gqa"):
+        matmul_attention(q, k, v, is_causal=True)
 
 
 @pytest.mark.parametrize("length,kv_heads", [(600, 2), (1100, 1)], ids=["3 blocks of 256", "4 blocks, grouped"])
