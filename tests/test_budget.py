@@ -1155,6 +1155,15 @@ def assert_matmul_attention_is_sdpa(q, k, v, compiled=None, **sdpa) -> torch.Ten
     return outputs[1]
 
 
+def test_matmul_attention_broadcasts_batch_dimensions_as_sdpa_does():
+    """Keys and values shared by every sequence of a batch (batch dimension 1), grouped-query heads: SDPA's values
+    and gradients in float64."""
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 4, 5, 8, dtype=torch.float64, generator=generator)
+    k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64, generator=generator) for _ in range(2))
+    assert_matmul_attention_is_sdpa(q, k, v, is_causal=True, enable_gqa=True)
+
+
 @pytest.mark.parametrize("case", MATMUL_CASES, ids=list(MATMUL_CASES))
 def test_matmul_attention_computes_what_sdpa_computes_and_its_gradients(case):
     """train.attention matmul is F.scaled_dot_product_attention written out: the same outputs and gradients, in
