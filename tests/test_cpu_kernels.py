@@ -214,7 +214,6 @@ def test_rotary_bf16_and_where_it_does_not_apply():
     assert not cpu_kernels.rotary_applies(x[..., :63], cos[..., :63])  # an odd head size
 
 
-
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_heads_first_stores_the_same_values_for_attention_and_reads_its_gradient_in_place(dtype):
@@ -243,6 +242,39 @@ def test_rotary_heads_first_stores_the_same_values_for_attention_and_reads_its_g
             assert torch.equal(got, want)
     with pytest.raises(RuntimeError, match="heads first"):
         cpu_kernels.rotary(x[0], cos, sin, weight, EPS, heads_first=True)  # (T, heads, hd): no batch to go under
+
+
+@needs_kernel
+@pytest.mark.parametrize("rotary", [False, True])
+def test_the_rows_are_split_over_torchs_threads_each_summing_its_own_weight_gradient(rotary):
+    """On two of torch's threads each takes half of the rows (at::parallel_for's split): the outputs are those of
+    one thread, bit for bit, and the weight's gradient is the two halves' sums added in thread order, so a given
+    thread count gives the same bits. The library built without OpenMP (until 2026-12-07) ran every row on one
+    thread: its gradient is one running sum over all rows, and the last assertion fails."""
+    torch.manual_seed(7)
+    kernel = cpu_kernels.kernel()
+    x = torch.randn(2, 48, 4, 64) if rotary else torch.randn(2, 96, 384)
+    weight, upstream = torch.rand(x.shape[-1]) + 0.5, torch.randn(x.shape)
+    cos, sin = rotary_tables((48,), 64)
+
+    def run(rows: slice):
+        if rotary:
+            y, rstd = kernel.rotary_forward(x[rows], cos, sin, weight, EPS, False)
+            return (y, *kernel.rotary_backward(upstream[rows], x[rows], cos, sin, weight, rstd))
+        y, rstd = kernel.rms_norm_forward(x[rows], weight, EPS, torch.float32)
+        return (y, *kernel.rms_norm_backward(upstream[rows], x[rows], weight, rstd, torch.float32))
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone, first_half, second_half = run(slice(None)), run(slice(0, 1)), run(slice(1, 2))
+        torch.set_num_threads(2)
+        y, dx, dw = run(slice(None))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(y, alone[0]) and torch.equal(dx, alone[1])
+    assert torch.equal(dw, first_half[2] + second_half[2])
+
 
 def test_compiled_norm_takes_torch_path_in_one_graph():
     """Under torch.compile the norm is torch's form (Inductor fuses it): no graph break, the same values."""

@@ -38,7 +38,11 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd")
+# -fopenmp: at::parallel_for splits the rows over torch's threads only in code built with OpenMP. Built without it
+# (until 2026-12-07) each kernel ran on one thread: the eager bf16 step at d384 × 6 took 7% longer on two cores
+# (benchmarks/README.md). It calls the OpenMP runtime torch has loaded (libgomp in the Linux wheels), so
+# torch.set_num_threads sets its thread count too.
+FLAGS = ("-O3", "-march=native", "-fopenmp")
 DTYPES = (torch.float32, torch.bfloat16)
 _torch_path = contextvars.ContextVar("ultrathink_torch_path", default=False)
 
@@ -76,7 +80,8 @@ def build(name: str, target: Path) -> ModuleType:
     target.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with interpreter_tools_on_path(), tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as private:
-        module = load(name, [str(SOURCE)], extra_cflags=list(FLAGS), build_directory=private, verbose=False)
+        module = load(name, [str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
+                      build_directory=private, verbose=False)
         os.replace(Path(module.__file__), target)
     log.info("built the fused CPU kernels in %.1f s: %s", time.perf_counter() - started, target)
     return module

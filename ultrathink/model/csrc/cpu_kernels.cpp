@@ -1,7 +1,8 @@
 // RMSNorm, and rotary embedding (after an optional RMSNorm: Qwen3's q/k norms), forward and backward on a CPU, one
 // pass over each row where torch 2.13 makes several elementwise passes (cpu_kernels.py says how much that costs).
-// Rows are split over torch's threads; within a row the loops are plain enough for the compiler to vectorise (-O3
-// -march=native -fopenmp-simd). Arithmetic in fp32 whatever the input dtype (fp32 or bf16), rounded once on output.
+// Rows are split over torch's threads (at::parallel_for: OpenMP, so the library is built with -fopenmp; without it
+// the loop ran on one thread); within a row the loops are plain enough for the compiler to vectorise (-O3
+// -march=native). Arithmetic in fp32 whatever the input dtype (fp32 or bf16), rounded once on output.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -60,46 +61,55 @@ Rows rows_of(const torch::Tensor& t) {
 // D: the row size when known at compile time (the loops then have no remainder to test), else 0. T is x's type, O
 // the output's: x's own, or bf16 from fp32 (a norm feeding matmuls under bf16 autocast).
 template <typename T, typename O, bool Norm, bool Rotate, int64_t D>
-void forward_rows(const T* __restrict__ x, const float* __restrict__ cos, const float* __restrict__ sin,
-                  const float* __restrict__ w, O* __restrict__ y, Rows out, float* __restrict__ rstd, int64_t rows,
-                  int64_t width, int64_t heads, int64_t positions, float eps) {
+void forward_range(const T* __restrict__ x, const float* __restrict__ cos, const float* __restrict__ sin,
+                   const float* __restrict__ w, O* __restrict__ y, Rows out, float* __restrict__ rstd, int64_t begin,
+                   int64_t end, int64_t width, int64_t heads, int64_t positions, float eps) {
   static_assert(Norm || Rotate, "nothing to compute");
   const int64_t d = D ? D : width, h = d / 2;
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer(d);
-    float* __restrict__ n = buffer.data();
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * d;
-      O* yr = y + out(r);
-      float squares = 0.f;
+  std::vector<float> buffer(d);
+  float* __restrict__ n = buffer.data();
+  for (int64_t r = begin; r < end; ++r) {
+    const T* xr = x + r * d;
+    O* yr = y + out(r);
+    float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < d; ++i) {
-        n[i] = to_float(xr[i]);
-        squares += n[i] * n[i];
-      }
-      float scale = 1.f;
-      if (Norm) {
-        scale = 1.f / std::sqrt(squares / d + eps);
-        rstd[r] = scale;
-      }
-      if (!Rotate) {  // the norm straight to the output
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) yr[i] = from_float<O>(Norm ? n[i] * scale * w[i] : n[i]);
-        continue;
-      }
-      if (Norm) {
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) n[i] *= scale * w[i];
-      }
-      const int64_t p = (r / heads) % positions;
-      const float* c = cos + p * d;
-      const float* s = sin + p * d;
-#pragma omp simd
-      for (int64_t i = 0; i < h; ++i) {
-        yr[i] = from_float<O>(n[i] * c[i] - n[i + h] * s[i]);
-        yr[i + h] = from_float<O>(n[i + h] * c[i + h] + n[i] * s[i + h]);
-      }
+    for (int64_t i = 0; i < d; ++i) {
+      n[i] = to_float(xr[i]);
+      squares += n[i] * n[i];
     }
+    float scale = 1.f;
+    if (Norm) {
+      scale = 1.f / std::sqrt(squares / d + eps);
+      rstd[r] = scale;
+    }
+    if (!Rotate) {  // the norm straight to the output
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) yr[i] = from_float<O>(Norm ? n[i] * scale * w[i] : n[i]);
+      continue;
+    }
+    if (Norm) {
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) n[i] *= scale * w[i];
+    }
+    const int64_t p = (r / heads) % positions;
+    const float* c = cos + p * d;
+    const float* s = sin + p * d;
+#pragma omp simd
+    for (int64_t i = 0; i < h; ++i) {
+      yr[i] = from_float<O>(n[i] * c[i] - n[i + h] * s[i]);
+      yr[i + h] = from_float<O>(n[i + h] * c[i + h] + n[i] * s[i + h]);
+    }
+  }
+}
+
+// forward_range over all rows, split over torch's threads. The rows' loop is a function of its own so that its
+// pointers keep __restrict__: in the lambda that OpenMP's region runs they lose it, and the backward's loop (the
+// same split) then vectorised 1.6 times slower on one thread.
+template <typename T, typename O, bool Norm, bool Rotate, int64_t D>
+void forward_rows(const T* x, const float* cos, const float* sin, const float* w, O* y, Rows out, float* rstd,
+                  int64_t rows, int64_t width, int64_t heads, int64_t positions, float eps) {
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    forward_range<T, O, Norm, Rotate, D>(x, cos, sin, w, y, out, rstd, begin, end, width, heads, positions, eps);
   });
 }
 
@@ -109,53 +119,63 @@ void forward_rows(const T* __restrict__ x, const float* __restrict__ cos, const 
 // buffers are added in thread order, so a given thread count gives the same bits). Without a norm dx = dn. dy is
 // of the forward's output type O, its rows where `in` says; dx of x's type T, packed.
 template <typename T, typename O, bool Norm, bool Rotate, int64_t D>
-void backward_rows(const O* __restrict__ dy, Rows in, const T* __restrict__ x, const float* __restrict__ cos,
-                   const float* __restrict__ sin, const float* __restrict__ w, const float* __restrict__ rstd,
-                   T* __restrict__ dx, float* __restrict__ dw, int64_t rows, int64_t width, int64_t heads,
-                   int64_t positions) {
+void backward_range(const O* __restrict__ dy, Rows in, const T* __restrict__ x, const float* __restrict__ cos,
+                    const float* __restrict__ sin, const float* __restrict__ w, const float* __restrict__ rstd,
+                    T* __restrict__ dx, float* __restrict__ dw_part, int64_t begin, int64_t end, int64_t width,
+                    int64_t heads, int64_t positions) {
   static_assert(Norm || Rotate, "nothing to compute");
   const int64_t d = D ? D : width, h = d / 2;
+  std::vector<float> buffers(2 * d);
+  float* __restrict__ dn = buffers.data();
+  float* __restrict__ normed = buffers.data() + d;
+  for (int64_t r = begin; r < end; ++r) {
+    const O* dyr = dy + in(r);
+    if (Rotate) {
+      const int64_t p = (r / heads) % positions;
+      const float* c = cos + p * d;
+      const float* s = sin + p * d;
+#pragma omp simd
+      for (int64_t i = 0; i < h; ++i) {
+        const float lo = to_float(dyr[i]), hi = to_float(dyr[i + h]);
+        dn[i] = lo * c[i] + hi * s[i + h];
+        dn[i + h] = hi * c[i + h] - lo * s[i];
+      }
+    }
+    T* dxr = dx + r * d;
+    if (!Norm) {
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) dxr[i] = from_float<T>(dn[i]);
+      continue;
+    }
+    const T* xr = x + r * d;
+    const float scale = rstd[r];
+    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t i = 0; i < d; ++i) {
+      const float grad = Rotate ? dn[i] : to_float(dyr[i]);
+      normed[i] = to_float(xr[i]) * scale;
+      dw_part[i] += grad * normed[i];
+      dn[i] = grad * w[i];
+      dot += dn[i] * normed[i];
+    }
+    const float mean = dot / d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) dxr[i] = from_float<T>(scale * (dn[i] - normed[i] * mean));
+  }
+}
+
+// backward_range over all rows, split over torch's threads, each summing dw over its rows into a buffer of its own.
+template <typename T, typename O, bool Norm, bool Rotate, int64_t D>
+void backward_rows(const O* dy, Rows in, const T* x, const float* cos, const float* sin, const float* w,
+                   const float* rstd, T* dx, float* dw, int64_t rows, int64_t width, int64_t heads,
+                   int64_t positions) {
+  const int64_t d = D ? D : width;
   const int threads = at::get_num_threads();
   std::vector<float> partial(Norm ? static_cast<size_t>(threads) * d : 0, 0.f);
   at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    float* __restrict__ dw_part = Norm ? partial.data() + static_cast<size_t>(at::get_thread_num()) * d : nullptr;
-    std::vector<float> buffers(2 * d);
-    float* __restrict__ dn = buffers.data();
-    float* __restrict__ normed = buffers.data() + d;
-    for (int64_t r = begin; r < end; ++r) {
-      const O* dyr = dy + in(r);
-      if (Rotate) {
-        const int64_t p = (r / heads) % positions;
-        const float* c = cos + p * d;
-        const float* s = sin + p * d;
-#pragma omp simd
-        for (int64_t i = 0; i < h; ++i) {
-          const float lo = to_float(dyr[i]), hi = to_float(dyr[i + h]);
-          dn[i] = lo * c[i] + hi * s[i + h];
-          dn[i + h] = hi * c[i + h] - lo * s[i];
-        }
-      }
-      T* dxr = dx + r * d;
-      if (!Norm) {
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) dxr[i] = from_float<T>(dn[i]);
-        continue;
-      }
-      const T* xr = x + r * d;
-      const float scale = rstd[r];
-      float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t i = 0; i < d; ++i) {
-        const float grad = Rotate ? dn[i] : to_float(dyr[i]);
-        normed[i] = to_float(xr[i]) * scale;
-        dw_part[i] += grad * normed[i];
-        dn[i] = grad * w[i];
-        dot += dn[i] * normed[i];
-      }
-      const float mean = dot / d;
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) dxr[i] = from_float<T>(scale * (dn[i] - normed[i] * mean));
-    }
+    float* dw_part = Norm ? partial.data() + static_cast<size_t>(at::get_thread_num()) * d : nullptr;
+    backward_range<T, O, Norm, Rotate, D>(dy, in, x, cos, sin, w, rstd, dx, dw_part, begin, end, width, heads,
+                                          positions);
   });
   for (int t = 0; Norm && t < threads; ++t)
     for (int64_t i = 0; i < d; ++i) dw[i] += partial[static_cast<size_t>(t) * d + i];
