@@ -228,3 +228,28 @@ def test_a_gpu_this_machine_lacks_stops_the_command_naming_it(artifacts, command
     said = " ".join(done.output.split())  # rich wraps the message at the terminal's width
     assert done.exit_code == 2
     assert "--device: device 'cuda' is not available" in said and "no CUDA GPU" in said
+
+
+
+FIRST_CALLS = """
+import torch
+from ultrathink.model.model import RotaryEmbedding  # the package's import settles the math (device.settle_cpu_math)
+first, again = RotaryEmbedding(48, 128, 10000.0), RotaryEmbedding(48, 128, 10000.0)  # on torch's default threads
+print(torch.equal(first.cos, again.cos) and torch.equal(first.sin, again.sin))
+"""
+
+
+@pytest.mark.spawns
+def test_a_fresh_process_builds_the_rotary_tables_it_builds_again():
+    """oneMKL picks each float function's kernel on its first call, and a first call split over threads can give
+    one thread's share a low-accuracy kernel (pytorch/pytorch#188792): without device.settle_cpu_math the first
+    rotary tables of a fresh process differed from its second ones in about one process of two here (cos(64) =
+    0.3918521 for 0.3918572 on half of the rows), and the trained weights with them."""
+    import subprocess
+    import sys
+
+    # one after another: the race needs both threads running at once, which processes side by side on a
+    # machine's few cores would hide
+    runs = [subprocess.run([sys.executable, "-c", FIRST_CALLS], capture_output=True, text=True, timeout=120)
+            for _ in range(4)]
+    assert [(run.returncode, run.stdout.strip()) for run in runs] == [(0, "True")] * 4, [r.stderr for r in runs]

@@ -81,3 +81,21 @@ def place(model: torch.nn.Module, device: DeviceLike | None) -> torch.device:
     if device is not None:
         model.to(resolve_device(device))  # a no-op when it is there already
     return model_device(model)
+
+
+# The float functions torch computes through oneMKL's VML on a CPU (ATen/cpu/vml.h). VML picks each function's
+# kernel on that function's first call, and when the first call runs on several of torch's threads at once one of
+# them can compute its share with a low-accuracy kernel (pytorch/pytorch#188792). Here the rotary tables of a model
+# built in a fresh process came out different in about one process of three (cos(64) = 0.3918521 on one thread's
+# half of the rows, for 0.3918572), and with them the trained weights.
+VML_FUNCTIONS = ("acos", "asin", "atan", "cos", "erf", "erfc", "erfinv", "exp", "log", "log10", "log2", "sin",
+                 "sqrt", "tan", "tanh", "trunc")
+
+
+def settle_cpu_math() -> None:
+    """Call each VML function once on one element, on this thread alone, so its kernel is chosen before any call
+    that torch splits over threads: every process then computes the same bits. Microseconds; once is enough."""
+    for dtype in (torch.float32, torch.float64):
+        one = torch.full((1,), 0.5, dtype=dtype)
+        for name in VML_FUNCTIONS:
+            getattr(torch, name)(one)
