@@ -1,6 +1,6 @@
-"""The fused CPU kernels (ultrathink/model/cpu_kernels.py): RMSNorm, and rotary embedding after an optional RMSNorm,
-with the values and gradients of torch's operators, taken where they apply and not elsewhere; a machine that cannot
-build them (or builds them twice at once, or is killed mid-build) still trains."""
+"""The fused CPU kernels (ultrathink/model/cpu_kernels.py): RMSNorm, rotary embedding after an optional RMSNorm, and
+matmul attention's causal softmax, with the values and gradients of torch's operators, taken where they apply and not
+elsewhere; a machine that cannot build them (or builds them twice at once, or is killed mid-build) still trains."""
 
 import os
 import shutil
@@ -274,6 +274,56 @@ def test_the_rows_are_split_over_torchs_threads_each_summing_its_own_weight_grad
         torch.set_num_threads(threads)
     assert torch.equal(y, alone[0]) and torch.equal(dx, alone[1])
     assert torch.equal(dw, first_half[2] + second_half[2])
+
+
+@needs_kernel
+@pytest.mark.parametrize("queries,keys,first", [(37, 37, 0),  # a whole window: rows of every length modulo 16
+                                                (5, 40, 35),  # the last block of a longer window (matmul_attention)
+                                                (9, 4, 0)])  # more queries than keys: the last ones see every key
+def test_causal_softmax_matches_float64_and_rounds_as_torch_does(queries, keys, first):
+    """Matmul attention's causal softmax through the kernel: in fp32 the weights and the scores' gradient are the
+    float64 softmax's over the keys each query sees, and exact zeros after them (not e^-87); in bf16 the weights
+    are rounded once, the same bits as torch's mask add and softmax in bf16 on nearly every weight."""
+    from ultrathink.model.kernels import _causal_softmax
+
+    torch.manual_seed(8)
+    scores, upstream = torch.randn(2, 3, queries, keys) * 4, torch.randn(2, 3, queries, keys)
+
+    def weights_and_grad(scores):
+        leaf = scores.detach().requires_grad_()
+        weights = _causal_softmax(leaf, first)
+        weights.backward(upstream.to(weights.dtype))
+        return weights, leaf.grad
+
+    weights, grad = weights_and_grad(scores)
+    with cpu_kernels.torch_path():
+        weights64, grad64 = weights_and_grad(scores.double())
+        torch_bf16 = _causal_softmax(scores.bfloat16(), first)
+        exact_of_bf16 = _causal_softmax(scores.bfloat16().double(), first)
+    unseen = torch.ones(queries, keys, dtype=torch.bool).triu(first + 1).expand_as(scores)
+    assert unseen.any() and torch.equal(weights64[unseen], torch.zeros_like(weights64[unseen]))
+    assert torch.equal(weights[unseen], torch.zeros_like(weights[unseen]))
+    torch.testing.assert_close(weights.double(), weights64, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad.double(), grad64, rtol=1e-5, atol=1e-6)
+    ours_bf16 = _causal_softmax(scores.bfloat16(), first)
+    assert ours_bf16.dtype == torch.bfloat16 and torch.equal(ours_bf16[unseen], torch_bf16[unseen])
+    assert (ours_bf16 == torch_bf16).float().mean() > 0.99
+    torch.testing.assert_close(ours_bf16.double(), exact_of_bf16, rtol=2 ** -8, atol=1e-30)  # one rounding
+
+
+@needs_kernel
+def test_matmul_attention_takes_the_causal_softmax_kernel_in_each_block(monkeypatch):
+    """Eager on a CPU, matmul attention's causal softmax is the kernel's, once per block of queries (256, then
+    the last 44 of 300), and the attention is SDPA's."""
+    from ultrathink.model.kernels import matmul_attention
+
+    calls = {"causal_softmax": 0}
+    monkeypatch.setattr(cpu_kernels, "causal_softmax", counted(calls, "causal_softmax", cpu_kernels.causal_softmax))
+    generator = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 300, 8, generator=generator) for _ in range(3))
+    torch.testing.assert_close(matmul_attention(q, k, v, is_causal=True),
+                               F.scaled_dot_product_attention(q, k, v, is_causal=True), rtol=1e-5, atol=1e-6)
+    assert calls == {"causal_softmax": 2}
 
 
 def test_compiled_norm_takes_torch_path_in_one_graph():

@@ -1,5 +1,6 @@
 """RMSNorm and rotary embedding on a CPU through fused kernels (csrc/cpu_kernels.cpp): one pass over each row
-forward and one backward, where torch 2.13 runs several elementwise operators.
+forward and one backward, where torch 2.13 runs several elementwise operators; and matmul attention's causal softmax
+forward (kernels.py), which reads only the scores a query sees.
 
 Why: torch has no fused RMSNorm for CPUs. Its `rms_norm` there runs pow, mean, rsqrt, two products and casts, 3-7×
 slower forward+backward than this kernel and than ATen's fused LayerNorm, and rotary embedding is a slice, a
@@ -14,7 +15,7 @@ a name that hashes the source, the flags, torch, Python and the CPU's feature fl
 machine class builds its own. `make setup` builds it ahead, so no training run pays for it. Each build runs in a
 private directory and the finished library is renamed into the cache: two processes building at once, or one
 killed mid-build, leave neither a lock nor a half-written library. Where it cannot be built (no compiler, another
-architecture), norms stay on torch's path, with one warning.
+architecture), norms and the softmax stay on torch's path, with one warning.
 """
 
 from __future__ import annotations
@@ -112,8 +113,8 @@ def kernel() -> ModuleType | None:
         return _import(name, target) if target.exists() else build(name, target)
     except Exception as error:  # no compiler, another architecture, a torch without headers: torch's path still works
         first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
-        log.warning("RMSNorm and rotary embedding stay on torch's slower CPU path: the fused kernels (%s) could "
-                    "not be built: %s", SOURCE.name, first)
+        log.warning("RMSNorm, rotary embedding and the causal softmax stay on torch's slower CPU path: the fused "
+                    "kernels (%s) could not be built: %s", SOURCE.name, first)
         return None
 
 
@@ -196,8 +197,30 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.
     return _Rotary.apply(x, *tables, None if weight is None else weight.float().contiguous(), eps, heads_first)
 
 
+class _CausalSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, first: int) -> torch.Tensor:
+        weights = kernel().causal_softmax_forward(scores, first)
+        ctx.save_for_backward(weights)
+        return weights
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # ATen's: a loop of our own over only the weights a query sees (the zeros' gradients are zero) was slower
+        (weights,) = ctx.saved_tensors
+        return torch._softmax_backward_data(grad, weights, -1, weights.dtype), None
+
+
+def causal_softmax(scores: torch.Tensor, first: int) -> torch.Tensor:
+    """softmax(scores + the causal mask) over the last dimension for scores (..., queries, keys) of queries at
+    positions first, first + 1, ..., each seeing the keys up to its own: kernels._causal_softmax's values (in fp32,
+    rounded once), reading only the scores a query sees and writing zeros after them, where torch adds a mask tensor
+    and runs its softmax over every score. Only where `applies(scores)`."""
+    return _CausalSoftmax.apply(scores, first)
+
+
 def prebuild() -> None:
     """`make setup`: build ahead of the first run (a machine that cannot still trains, on torch's path)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print("fused CPU kernels (RMSNorm, rotary):", "ready" if kernel() is not None
+    print("fused CPU kernels (RMSNorm, rotary, causal softmax):", "ready" if kernel() is not None
           else "not available (torch's path is used)")

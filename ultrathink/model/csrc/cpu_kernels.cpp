@@ -1,5 +1,6 @@
 // RMSNorm, and rotary embedding (after an optional RMSNorm: Qwen3's q/k norms), forward and backward on a CPU, one
-// pass over each row where torch 2.13 makes several elementwise passes (cpu_kernels.py says how much that costs).
+// pass over each row where torch 2.13 makes several elementwise passes (cpu_kernels.py says how much that costs);
+// and attention's causal softmax forward, which reads only the scores each query may see.
 // Rows are split over torch's threads (at::parallel_for: OpenMP, so the library is built with -fopenmp; without it
 // the loop ran on one thread); within a row the loops are plain enough for the compiler to vectorise (-O3
 // -march=native). Arithmetic in fp32 whatever the input dtype (fp32 or bf16), rounded once on output.
@@ -181,6 +182,61 @@ void backward_rows(const O* dy, Rows in, const T* x, const float* cos, const flo
     for (int64_t i = 0; i < d; ++i) dw[i] += partial[static_cast<size_t>(t) * d + i];
 }
 
+// e^x for x <= 0 (a score less its row's maximum), vectorisable: 2^n e^r with n = round(x / ln 2) and r = x - n ln 2
+// in [-ln 2 / 2, ln 2 / 2] (ln 2 in two parts, so r keeps its bits), e^r by a polynomial of degree 6 (Cephes' expf
+// coefficients); 0 below -87 (e^-87 is near fp32's smallest normal), so -inf gives 0.
+inline float exp_nonpositive(float x) {
+  const bool underflows = x < -87.f;
+  x = underflows ? -87.f : x;
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // + 1.5 * 2^23 rounds to an integer
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  const float p = 1.f + r * (1.f + r * (0.5f + r * (0.166666672f + r * (0.0416666418f + r * (0.00833336264f +
+                                                                                           r * 0.00138925656f)))));
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n as a float's exponent
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return underflows ? 0.f : p * scale;
+}
+
+// Rows of `keys` scores (x: rows x keys), row r the query at position first + r % queries, which sees the keys up
+// to its own: y = softmax over those keys, 0 after them, in fp32, rounded once. The keys after the last one a query
+// sees are never read, and their weights are written as zeros. Each row's loops run to the next multiple of 16 keys
+// (those past the query's own read as -inf) so that they end on a whole vector.
+template <typename T>
+void causal_softmax_range(const T* __restrict__ x, T* __restrict__ y, int64_t begin, int64_t end, int64_t queries,
+                          int64_t keys, int64_t first) {
+  std::vector<float> buffer(keys);
+  float* __restrict__ e = buffer.data();
+  for (int64_t r = begin; r < end; ++r) {
+    const T* xr = x + r * keys;
+    T* yr = y + r * keys;
+    const int64_t seen = std::min(keys, first + r % queries + 1), whole = std::min(keys, (seen + 15) / 16 * 16);
+    float most = -INFINITY;
+#pragma omp simd reduction(max : most)
+    for (int64_t j = 0; j < whole; ++j) {
+      e[j] = j < seen ? to_float(xr[j]) : -INFINITY;
+      most = most > e[j] ? most : e[j];
+    }
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < whole; ++j) {
+      e[j] = exp_nonpositive(e[j] - most);
+      sum += e[j];
+    }
+    const float inverse = 1.f / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < whole; ++j) yr[j] = from_float<T>(e[j] * inverse);
+    std::memset(static_cast<void*>(yr + whole), 0, (keys - whole) * sizeof(T));
+  }
+}
+
+template <typename T>
+void causal_softmax_rows(const T* x, T* y, int64_t rows, int64_t queries, int64_t keys, int64_t first) {
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    causal_softmax_range<T>(x, y, begin, end, queries, keys, first);
+  });
+}
+
 void check_input(const torch::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
               "a CPU tensor in fp32 or bf16, got ", x.scalar_type(), " on ", x.device());
@@ -301,6 +357,21 @@ std::vector<torch::Tensor> rotary_backward(torch::Tensor dy, const torch::Tensor
   return {dx, dw};
 }
 
+// scores (..., queries, keys): softmax(scores + the causal mask of queries at positions first, first + 1, ...), each
+// query seeing the keys up to its own position.
+torch::Tensor causal_softmax_forward(torch::Tensor scores, int64_t first) {
+  check_input(scores);
+  TORCH_CHECK(scores.dim() >= 2 && first >= 0, "causal softmax: scores (..., queries, keys), a first position >= 0");
+  scores = scores.contiguous();
+  auto y = torch::empty_like(scores);
+  const int64_t keys = scores.size(-1), queries = scores.size(-2), rows = scores.numel() / keys;
+  if (scores.scalar_type() == torch::kBFloat16)
+    causal_softmax_rows(scores.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), rows, queries, keys, first);
+  else
+    causal_softmax_rows(scores.data_ptr<float>(), y.data_ptr<float>(), rows, queries, keys, first);
+  return y;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -308,4 +379,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_backward", &rms_norm_backward, "RMSNorm backward: (dx, dw)");
   m.def("rotary_forward", &rotary_forward, "rotary embedding after an optional RMSNorm, forward: (y, rstd)");
   m.def("rotary_backward", &rotary_backward, "rotary embedding after an optional RMSNorm, backward: (dx, dw)");
+  m.def("causal_softmax_forward", &causal_softmax_forward, "attention's causal softmax, forward");
 }
