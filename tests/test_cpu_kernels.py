@@ -1,6 +1,7 @@
-"""The fused CPU kernels (ultrathink/model/cpu_kernels.py): RMSNorm, rotary embedding after an optional RMSNorm, and
-matmul attention's causal softmax, with the values and gradients of torch's operators, taken where they apply and not
-elsewhere; a machine that cannot build them (or builds them twice at once, or is killed mid-build) still trains."""
+"""The fused CPU kernels (ultrathink/model/cpu_kernels.py): RMSNorm, rotary embedding after an optional RMSNorm,
+matmul attention's causal softmax and SwiGLU's gate, with the values and gradients of torch's operators, taken where
+they apply and not elsewhere; a machine that cannot build them (or builds them twice at once, or is killed
+mid-build) still trains."""
 
 import os
 import shutil
@@ -118,8 +119,8 @@ def test_non_contiguous_input():
 @needs_kernel
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_the_model_takes_them_and_trains_alike(monkeypatch, qk_norm):
-    """An eager CPU model runs its norms and rotations through the kernels; its loss and every gradient match
-    torch's path."""
+    """An eager CPU model runs its norms, rotations and SwiGLU gates through the kernels; its loss and every
+    gradient match torch's path."""
     assert cpu_kernels.applies(torch.ones(2, 8))
     with cpu_kernels.torch_path():
         assert not cpu_kernels.applies(torch.ones(2, 8))
@@ -134,12 +135,13 @@ def test_the_model_takes_them_and_trains_alike(monkeypatch, qk_norm):
     tokens = torch.randint(0, 97, (3, 32))
     q, k, _ = model.blocks[0].attn.project(torch.randn(3, 32, 64), *model.rotary(0, 32))
     assert q.transpose(1, 2).is_contiguous() and k.transpose(1, 2).is_contiguous()  # attention's matmuls copy neither
-    calls = {"rms_norm": 0, "rotary": 0}
+    calls = {"rms_norm": 0, "rotary": 0, "swiglu": 0}
     for name in calls:
         monkeypatch.setattr(cpu_kernels, name, counted(calls, name, getattr(cpu_kernels, name)))
     loss = model(tokens, tokens).loss
-    # per layer: two block norms and the rotation of queries and keys (each after its norm); the final norm
-    assert calls == {"rms_norm": 2 * 2 + 1, "rotary": 2 * 2}
+    # per layer: two block norms, the rotation of queries and keys (each after its norm) and the MLP's gate; the
+    # final norm
+    assert calls == {"rms_norm": 2 * 2 + 1, "rotary": 2 * 2, "swiglu": 2}
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -324,6 +326,61 @@ def test_matmul_attention_takes_the_causal_softmax_kernel_in_each_block(monkeypa
     torch.testing.assert_close(matmul_attention(q, k, v, is_causal=True),
                                F.scaled_dot_product_attention(q, k, v, is_causal=True), rtol=1e-5, atol=1e-6)
     assert calls == {"causal_softmax": 2}
+
+
+@needs_kernel
+def test_swiglu_matches_float64_and_rounds_once_in_bf16():
+    """silu(gate) * up and both gradients: in fp32 float64's values (gates far into both tails included, where e^-g
+    would overflow); in bf16 the value rounded once, at least as close to float64's as torch's two roundings; and
+    it takes only a CPU gate and up of one shape and dtype."""
+    torch.manual_seed(10)
+    tails = torch.tensor([-200.0, -88.0, -30.0, 0.0, 30.0, 200.0]).expand(3, 7, 6)
+    gate = torch.cat([torch.randn(3, 7, 40) * 3, tails], -1)
+    up, upstream = torch.randn(gate.shape), torch.randn(gate.shape)
+
+    def values_and_grads(function, gate, up):
+        gate, up = gate.detach().requires_grad_(), up.detach().requires_grad_()
+        h = function(gate, up)
+        h.backward(upstream.to(h.dtype))
+        return h, gate.grad, up.grad
+
+    exact = values_and_grads(lambda g, u: F.silu(g) * u, gate.double(), up.double())
+    for got, want in zip(values_and_grads(cpu_kernels.swiglu, gate, up), exact):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    ours = values_and_grads(cpu_kernels.swiglu, gate.bfloat16(), up.bfloat16())
+    exact_of_bf16 = values_and_grads(lambda g, u: F.silu(g) * u, gate.bfloat16().double(), up.bfloat16().double())
+    theirs = values_and_grads(lambda g, u: F.silu(g) * u, gate.bfloat16(), up.bfloat16())
+    torch.testing.assert_close(ours[0].double(), exact_of_bf16[0], rtol=2 ** -8, atol=1e-30)  # one rounding
+    for got, torchs, want in zip(ours, theirs, exact_of_bf16):
+        assert got.dtype == torch.bfloat16
+        assert (got.double() - want).abs().sum() <= (torchs.double() - want).abs().sum()
+    assert cpu_kernels.swiglu_applies(gate, up)
+    assert not cpu_kernels.swiglu_applies(gate, up.bfloat16())
+    assert not cpu_kernels.swiglu_applies(gate.half(), up.half())
+    assert not cpu_kernels.swiglu_applies(gate, up[..., :5])
+
+
+@needs_kernel
+def test_an_edited_gate_runs_as_written_not_the_kernels_silu(monkeypatch, caplog):
+    """The kernel stands in for SwiGLU.gated only while the two compute the same: a user who edits the gate (GELU
+    for silu) gets GELU on a CPU too, with one warning, not silently the kernel's silu."""
+    from ultrathink.model.model import SwiGLU
+
+    torch.manual_seed(11)
+    mlp, x = SwiGLU(16, 40), torch.randn(2, 5, 16)
+    calls = {"swiglu": 0}
+    monkeypatch.setattr(cpu_kernels, "swiglu", counted(calls, "swiglu", cpu_kernels.swiglu))
+    fused = mlp(x)
+    assert calls == {"swiglu": 1}
+    torch.testing.assert_close(fused, mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)))
+    monkeypatch.setattr(SwiGLU, "gated", staticmethod(lambda gate, up: F.gelu(gate) * up))
+    with caplog.at_level("WARNING", logger=cpu_kernels.__name__):
+        edited, again = mlp(x), mlp(x)
+    assert calls == {"swiglu": 1}  # the forwards ran the edited line
+    torch.testing.assert_close(edited, mlp.down_proj(F.gelu(mlp.gate_proj(x)) * mlp.up_proj(x)))
+    assert torch.equal(edited, again)
+    assert sum("other values than silu(gate) * up" in r.message for r in caplog.records) == 1
 
 
 def test_compiled_norm_takes_torch_path_in_one_graph():

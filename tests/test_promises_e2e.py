@@ -55,7 +55,7 @@ def test_a_code_change_retrains_and_never_publishes_the_old_weights(project):
     model_py = project / "ultrathink/model/model.py"
     source = model_py.read_text()
     # The MLP's activation: one line of the model's math.
-    edited = source.replace("F.silu(self.gate_proj(x))", "F.gelu(self.gate_proj(x))")
+    edited = source.replace("return F.silu(gate) * up", "return F.gelu(gate) * up")
     assert edited != source, "the MLP line to edit was not found"
     model_py.write_text(edited)
     done = sh(["dvc", "repro"], project)

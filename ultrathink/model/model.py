@@ -198,7 +198,16 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if cpu_kernels.swiglu_applies(gate, up) and cpu_kernels.computes_swiglu(self.gated):
+            return self.down_proj(cpu_kernels.swiglu(gate, up))
+        return self.down_proj(self.gated(gate, up))
+
+    @staticmethod
+    def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The MLP's gate. Eager on a CPU a fused kernel computes it, one pass each way (cpu_kernels.swiglu), only
+        while it computes what this line does: edited (another activation), this line runs everywhere."""
+        return F.silu(gate) * up
 
 
 class Block(nn.Module):

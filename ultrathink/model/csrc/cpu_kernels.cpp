@@ -1,9 +1,9 @@
 // RMSNorm, and rotary embedding (after an optional RMSNorm: Qwen3's q/k norms), forward and backward on a CPU, one
 // pass over each row where torch 2.13 makes several elementwise passes (cpu_kernels.py says how much that costs);
-// and attention's causal softmax forward, which reads only the scores each query may see.
-// Rows are split over torch's threads (at::parallel_for: OpenMP, so the library is built with -fopenmp; without it
-// the loop ran on one thread); within a row the loops are plain enough for the compiler to vectorise (-O3
-// -march=native). Arithmetic in fp32 whatever the input dtype (fp32 or bf16), rounded once on output.
+// attention's causal softmax forward, which reads only the scores each query may see; and SwiGLU's gate.
+// Rows (SwiGLU: elements) are split over torch's threads (at::parallel_for: OpenMP, so the library is built with
+// -fopenmp; without it the loop ran on one thread); within a row the loops are plain enough for the compiler to
+// vectorise (-O3 -march=native). Arithmetic in fp32 whatever the input dtype (fp32 or bf16), rounded once on output.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -198,6 +198,38 @@ inline float exp_nonpositive(float x) {
   return underflows ? 0.f : p * scale;
 }
 
+// SwiGLU's gate, elementwise: h = silu(g) u = g σ(g) u, and its backward du = dh g σ(g),
+// dg = dh u σ(g) (1 + g (1 - σ(g))). σ(g) from t = e^-|g| (never overflows): 1 / (1 + t) for g >= 0, t / (1 + t)
+// below. Saving g and u is enough for the backward, where torch's silu and product keep silu(g) as well.
+inline float sigmoid(float g) {
+  const float t = exp_nonpositive(-std::fabs(g));
+  const float inverse = 1.f / (1.f + t);
+  return g >= 0.f ? inverse : t * inverse;
+}
+
+template <typename T>
+void swiglu_forward_range(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ h, int64_t begin,
+                          int64_t end) {
+#pragma omp simd
+  for (int64_t i = begin; i < end; ++i) {
+    const float gate = to_float(g[i]);
+    h[i] = from_float<T>(gate * sigmoid(gate) * to_float(u[i]));
+  }
+}
+
+template <typename T>
+void swiglu_backward_range(const T* __restrict__ dh, const T* __restrict__ g, const T* __restrict__ u,
+                           T* __restrict__ dg, T* __restrict__ du, int64_t begin, int64_t end) {
+#pragma omp simd
+  for (int64_t i = begin; i < end; ++i) {
+    const float gate = to_float(g[i]), s = sigmoid(gate), d = to_float(dh[i]);
+    du[i] = from_float<T>(d * gate * s);
+    dg[i] = from_float<T>(d * to_float(u[i]) * s * (1.f + gate * (1.f - s)));
+  }
+}
+
+constexpr int64_t kElementsPerTask = 1 << 14;
+
 // Rows of `keys` scores (x: rows x keys), row r the query at position first + r % queries, which sees the keys up
 // to its own: y = softmax over those keys, 0 after them, in fp32, rounded once. The keys after the last one a query
 // sees are never read, and their weights are written as zeros. Each row's loops run to the next multiple of 16 keys
@@ -372,6 +404,39 @@ torch::Tensor causal_softmax_forward(torch::Tensor scores, int64_t first) {
   return y;
 }
 
+// gate, up (any shape, one dtype): silu(gate) * up.
+torch::Tensor swiglu_forward(torch::Tensor g, torch::Tensor u) {
+  check_input(g);
+  TORCH_CHECK(u.sizes() == g.sizes() && u.scalar_type() == g.scalar_type(),
+              "swiglu: gate and up of one shape and dtype");
+  g = g.contiguous();
+  u = u.contiguous();
+  auto h = torch::empty_like(g);
+  at::parallel_for(0, g.numel(), kElementsPerTask, [&](int64_t begin, int64_t end) {
+    if (g.scalar_type() == torch::kBFloat16)
+      swiglu_forward_range(g.data_ptr<c10::BFloat16>(), u.data_ptr<c10::BFloat16>(), h.data_ptr<c10::BFloat16>(),
+                           begin, end);
+    else
+      swiglu_forward_range(g.data_ptr<float>(), u.data_ptr<float>(), h.data_ptr<float>(), begin, end);
+  });
+  return h;
+}
+
+// The gradients of gate and up, from h's (dh) and the forward's inputs (contiguous, as swiglu_forward made them).
+std::vector<torch::Tensor> swiglu_backward(torch::Tensor dh, const torch::Tensor& g, const torch::Tensor& u) {
+  dh = dh.to(g.scalar_type()).contiguous();
+  auto dg = torch::empty_like(g), du = torch::empty_like(u);
+  at::parallel_for(0, g.numel(), kElementsPerTask, [&](int64_t begin, int64_t end) {
+    if (g.scalar_type() == torch::kBFloat16)
+      swiglu_backward_range(dh.data_ptr<c10::BFloat16>(), g.data_ptr<c10::BFloat16>(), u.data_ptr<c10::BFloat16>(),
+                            dg.data_ptr<c10::BFloat16>(), du.data_ptr<c10::BFloat16>(), begin, end);
+    else
+      swiglu_backward_range(dh.data_ptr<float>(), g.data_ptr<float>(), u.data_ptr<float>(), dg.data_ptr<float>(),
+                            du.data_ptr<float>(), begin, end);
+  });
+  return {dg, du};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -380,4 +445,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_forward", &rotary_forward, "rotary embedding after an optional RMSNorm, forward: (y, rstd)");
   m.def("rotary_backward", &rotary_backward, "rotary embedding after an optional RMSNorm, backward: (dx, dw)");
   m.def("causal_softmax_forward", &causal_softmax_forward, "attention's causal softmax, forward");
+  m.def("swiglu_forward", &swiglu_forward, "silu(gate) * up");
+  m.def("swiglu_backward", &swiglu_backward, "silu(gate) * up, backward: (dgate, dup)");
 }
