@@ -5,6 +5,8 @@ tensor created without an explicit device then lands on meta, and the call fails
 import contextlib
 import logging
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -230,7 +232,6 @@ def test_a_gpu_this_machine_lacks_stops_the_command_naming_it(artifacts, command
     assert "--device: device 'cuda' is not available" in said and "no CUDA GPU" in said
 
 
-
 FIRST_CALLS = """
 import torch
 from ultrathink.model.model import RotaryEmbedding  # the package's import settles the math (device.settle_cpu_math)
@@ -243,10 +244,8 @@ print(torch.equal(first.cos, again.cos) and torch.equal(first.sin, again.sin))
 def test_a_fresh_process_builds_the_rotary_tables_it_builds_again():
     """oneMKL picks each float function's kernel on its first call, and a first call split over threads can give
     one thread's share a low-accuracy kernel (pytorch/pytorch#188792): without device.settle_cpu_math the first
-    rotary tables of a fresh process differed from its second ones in about one process of two here (cos(64) =
+    rotary tables of a fresh process differed from its second ones in about one process of three here (cos(64) =
     0.3918521 for 0.3918572 on half of the rows), and the trained weights with them."""
-    import subprocess
-    import sys
 
     # one after another: the race needs both threads running at once, which processes side by side on a
     # machine's few cores would hide
