@@ -1,7 +1,7 @@
 """The fused CPU kernels (ultrathink/model/cpu_kernels.py): RMSNorm, rotary embedding after an optional RMSNorm,
 matmul attention's causal softmax and SwiGLU's gate, with the values and gradients of torch's operators, taken where
-they apply and not elsewhere; a machine that cannot build them (or builds them twice at once, or is killed
-mid-build) still trains."""
+they apply and not elsewhere, nor where the model's line they stand in for was edited; a machine that cannot build
+them (or builds them twice at once, or is killed mid-build) still trains."""
 
 import os
 import shutil
@@ -361,6 +361,24 @@ def test_swiglu_matches_float64_and_rounds_once_in_bf16():
     assert not cpu_kernels.swiglu_applies(gate, up[..., :5])
 
 
+def runs_as_edited(monkeypatch, caplog, kernel: str, forward, edit):
+    """What forward() returns after edit() (a change to the model's line that the kernel `kernel` stands in
+    for), checking that before it forward() takes that kernel, and after it neither forward runs the kernel, one
+    warning says so, and two forwards agree."""
+    calls = {kernel: 0}
+    monkeypatch.setattr(cpu_kernels, kernel, counted(calls, kernel, getattr(cpu_kernels, kernel)))
+    forward()
+    taken = calls[kernel]
+    assert taken > 0
+    edit()
+    with caplog.at_level("WARNING", logger=cpu_kernels.__name__):
+        edited, again = forward(), forward()
+    assert calls[kernel] == taken  # the forwards ran the edited line
+    torch.testing.assert_close(edited, again, rtol=0, atol=0)
+    assert sum("its fused CPU kernel is left out" in r.message for r in caplog.records) == 1
+    return edited
+
+
 @needs_kernel
 def test_an_edited_gate_runs_as_written_not_the_kernels_silu(monkeypatch, caplog):
     """The kernel stands in for SwiGLU.gated only while the two compute the same: a user who edits the gate (GELU
@@ -369,18 +387,62 @@ def test_an_edited_gate_runs_as_written_not_the_kernels_silu(monkeypatch, caplog
 
     torch.manual_seed(11)
     mlp, x = SwiGLU(16, 40), torch.randn(2, 5, 16)
-    calls = {"swiglu": 0}
-    monkeypatch.setattr(cpu_kernels, "swiglu", counted(calls, "swiglu", cpu_kernels.swiglu))
-    fused = mlp(x)
-    assert calls == {"swiglu": 1}
-    torch.testing.assert_close(fused, mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)))
-    monkeypatch.setattr(SwiGLU, "gated", staticmethod(lambda gate, up: F.gelu(gate) * up))
-    with caplog.at_level("WARNING", logger=cpu_kernels.__name__):
-        edited, again = mlp(x), mlp(x)
-    assert calls == {"swiglu": 1}  # the forwards ran the edited line
+    torch.testing.assert_close(mlp(x), mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)))
+    edited = runs_as_edited(monkeypatch, caplog, "swiglu", lambda: mlp(x),
+                            lambda: monkeypatch.setattr(SwiGLU, "gated", staticmethod(lambda g, u: F.gelu(g) * u)))
     torch.testing.assert_close(edited, mlp.down_proj(F.gelu(mlp.gate_proj(x)) * mlp.up_proj(x)))
-    assert torch.equal(edited, again)
-    assert sum("other values than silu(gate) * up" in r.message for r in caplog.records) == 1
+
+
+def fresh(function):
+    """A function of its own that calls `function`: computes_* probe each function once in a process, so an edit
+    that another test (or parameter) installed before would not be probed, nor warned about, again."""
+    return lambda *args: function(*args)
+
+
+def one_plus_weight(x, weight, eps, dtype):
+    """Gemma's RMSNorm: its weight is an offset from 1."""
+    return F.rms_norm(x.float(), (x.shape[-1],), 1 + weight.float(), eps).to(dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_edited_norm_runs_as_written_not_the_kernels(monkeypatch, caplog, dtype):
+    """RMSNorm.normalized edited (Gemma's 1 + weight) is what an eager CPU norm computes, in fp32 and bf16."""
+    norm = RMSNorm(48, EPS)
+    with torch.no_grad():
+        norm.weight.copy_(0.5 * torch.randn(48))
+    x = torch.randn(4, 7, 48, dtype=dtype)
+    edited = runs_as_edited(monkeypatch, caplog, "rms_norm", lambda: norm(x),
+                            lambda: monkeypatch.setattr(RMSNorm, "normalized", staticmethod(fresh(one_plus_weight))))
+    torch.testing.assert_close(edited, one_plus_weight(x, norm.weight, EPS, dtype))
+
+
+def rotate_pairs(x, cos, sin):
+    """GPT-J's rotary embedding: adjacent dimensions (2i, 2i + 1) rotate together, not the two halves."""
+    pairs = x.unflatten(-1, (-1, 2))
+    rotated = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_an_edited_rotation_runs_as_written_not_the_kernels(monkeypatch, caplog, qk_norm):
+    """model.apply_rotary edited (GPT-J's pairs for the two halves) is what an eager CPU attention rotates its
+    queries and keys with, after their norms."""
+    from ultrathink.model import model as model_module
+
+    cfg = ModelConfig(d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, seq_len=16, dropout=0.0, qk_norm=qk_norm)
+    torch.manual_seed(5)
+    net = UltraThink(cfg, 50)
+    attn, x, (cos, sin) = net.blocks[0].attn, torch.randn(2, 16, 64), net.rotary(0, 16)
+    with torch.no_grad():
+        edited_q, edited_k, _ = runs_as_edited(monkeypatch, caplog, "rotary", lambda: attn.project(x, cos, sin),
+                                               lambda: monkeypatch.setattr(model_module, "apply_rotary", fresh(rotate_pairs)))
+        q, k = attn.q_proj(x).view(2, 16, 4, 16), attn.k_proj(x).view(2, 16, 2, 16)
+        if qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        torch.testing.assert_close(edited_q, rotate_pairs(q, cos[:, None], sin[:, None]))
+        torch.testing.assert_close(edited_k, rotate_pairs(k, cos[:, None], sin[:, None]))
 
 
 def test_compiled_norm_takes_torch_path_in_one_graph():

@@ -16,6 +16,12 @@ machine class builds its own. `make setup` builds it ahead, so no training run p
 private directory and the finished library is renamed into the cache: two processes building at once, or one
 killed mid-build, leave neither a lock nor a half-written library. Where it cannot be built (no compiler, another
 architecture), all of them stay on torch's path, with one warning.
+
+The norm, rotary and SwiGLU kernels each stand in for a line the model writes in torch's operators
+(RMSNorm.normalized, apply_rotary, SwiGLU.gated), and only while the two compute the same: `computes_*` probe each
+line once against its kernel, so an edited line runs as written on a CPU too (with one warning), as it does on a
+GPU and under torch.compile. The causal softmax is not such a line: it is attention's, which every attention
+kernel computes alike (SDPA's among them), and the compiled operator's backward is softmax's.
 """
 
 from __future__ import annotations
@@ -236,27 +242,54 @@ def swiglu_applies(gate: torch.Tensor, up: torch.Tensor) -> bool:
     return applies(gate) and up.shape == gate.shape and up.dtype == gate.dtype
 
 
-@functools.cache
-def computes_swiglu(gated) -> bool:
-    """Whether `gated(gate, up)` computes what `swiglu` does, silu(gate) * up, on a probe of fp32 values. The model
-    writes its MLP's gate in torch's operators (SwiGLU.gated), and the kernel stands in for them only while the two
-    agree: an edited gate (another activation) then runs as written on a CPU too, not silu. Once per function."""
-    generator = torch.Generator().manual_seed(0)
-    gate, up = (torch.randn(256, generator=generator) * 4 for _ in range(2))
-    with torch.no_grad():
-        agree = torch.allclose(gated(gate, up).float(), _SwiGLU.apply(gate, up), rtol=1e-4, atol=1e-5)
-    if not agree:
-        log.warning("%s computes other values than silu(gate) * up: its fused CPU kernel is left out",
-                    getattr(gated, "__qualname__", gated))
-    return agree
-
-
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up in one pass each way, computed in fp32 and rounded once, where torch runs silu, a product
     and three operators back (and keeps silu(gate) for them): the eager step 1-3% faster at d384 × 6 in bf16 and in
     fp32, 2-5% at tiny Shakespeare's 2-minute pick, side by side (benchmarks/README.md). Only where
     `swiglu_applies(gate, up)`."""
     return _SwiGLU.apply(gate, up)
+
+
+def _probe(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 4
+
+
+def _stands_in(written, fused, inputs: tuple, what: str) -> bool:
+    """Whether the kernel `fused` computes what the model's line `written` does on the fp32 `inputs`, with a
+    warning where not. The model writes each computation a kernel fuses in torch's operators, and the kernel stands
+    in for that line only while the two agree: an edited line (another activation, another norm, another rotation)
+    then runs as written on a CPU too, not silently the kernel's computation. `fused` is the kernel's autograd
+    function itself, so that a probe is never counted as a forward's call."""
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        agree = torch.allclose(written(*inputs).float(), fused(*inputs).float(), rtol=1e-4, atol=1e-5)
+    if not agree:
+        log.warning("%s computes other values than %s: its fused CPU kernel is left out",
+                    getattr(written, "__qualname__", written), what)
+    return agree
+
+
+@functools.cache
+def computes_rms_norm(normalized) -> bool:
+    """Whether `normalized(x, weight, eps, dtype)` (RMSNorm.normalized) computes what `rms_norm` does. Once per
+    function."""
+    return _stands_in(lambda x, w: normalized(x, w, 1e-6, x.dtype), lambda x, w: _RMSNorm.apply(x, w, 1e-6, x.dtype),
+                      (_probe(8, 64, seed=0), _probe(64, seed=1)), "RMSNorm")
+
+
+@functools.cache
+def computes_rotary(rotate) -> bool:
+    """Whether `rotate(x, cos, sin)` (model.apply_rotary, tables broadcast over the heads) computes what `rotary`
+    does without a norm (a fused norm is RMSNorm.normalized's, which computes_rms_norm checks). Once per function."""
+    x, angles = _probe(2, 8, 3, 64, seed=0), _probe(8, 64, seed=1)
+    return _stands_in(lambda x, cos, sin: rotate(x, cos.unsqueeze(-2), sin.unsqueeze(-2)),
+                      lambda x, cos, sin: _Rotary.apply(x, cos, sin, None, 0.0, False), (x, angles.cos(), angles.sin()),
+                      "the rotation of the two halves")
+
+
+@functools.cache
+def computes_swiglu(gated) -> bool:
+    """Whether `gated(gate, up)` (SwiGLU.gated) computes what `swiglu` does, silu(gate) * up. Once per function."""
+    return _stands_in(gated, _SwiGLU.apply, (_probe(256, seed=0), _probe(256, seed=1)), "silu(gate) * up")
 
 
 def prebuild() -> None:

@@ -52,14 +52,18 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """x normalised, in `dtype` (x's unless given): a caller whose consumers are matmuls under autocast asks
         for theirs (matmul_dtype), so the result is rounded once here rather than cast by each matmul it feeds."""
-        # Normalise in fp32 even under bf16 autocast: the mean of squares loses too much precision in bf16. torch's
-        # rms_norm (input and weight of one dtype) is fused on GPUs and under torch.compile; on a CPU it is several
-        # elementwise passes, so eager CPU runs take our fused kernel (cpu_kernels.py: an edit to the line below
-        # changes those runs only inside cpu_kernels.torch_path()).
         dtype = dtype or x.dtype
-        if cpu_kernels.rms_norm_applies(x, dtype):
+        if cpu_kernels.rms_norm_applies(x, dtype) and cpu_kernels.computes_rms_norm(self.normalized):
             return cpu_kernels.rms_norm(x, self.weight, self.eps, dtype)
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(dtype)
+        return self.normalized(x, self.weight, self.eps, dtype)
+
+    @staticmethod
+    def normalized(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+        """The norm. In fp32 even under bf16 autocast: the mean of squares loses too much precision in bf16. torch's
+        rms_norm (input and weight of one dtype) is fused on GPUs and under torch.compile; on a CPU it is several
+        elementwise passes, so eager CPU runs take a fused kernel (cpu_kernels.rms_norm), only while it computes
+        what this line does: edited, this line runs everywhere."""
+        return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(dtype)
 
 
 def matmul_dtype(x: torch.Tensor) -> torch.dtype:
@@ -111,7 +115,8 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the last dimension of x by the angles of cos/sin (broadcast against x), in x's dtype (as HF Llama
     does: its tables are cast to the activations' dtype); bf16 here is a third faster than promoting to fp32. Eager
-    CPU runs of Attention.project take cpu_kernels.rotary instead (fused with the q/k norms, in fp32, rounded once)."""
+    CPU runs of Attention.project take cpu_kernels.rotary instead (fused with the q/k norms, in fp32, rounded once),
+    only while it computes what this function does: edited, this function runs everywhere."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
@@ -169,12 +174,18 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
-        if cpu_kernels.rotary_applies(q, cos):  # q/k norms and rotation in one kernel
+        if self.fuses_rotation(q, cos):  # q/k norms and rotation in one kernel
             return self.rotated(q, self.q_norm, cos, sin), self.rotated(k, self.k_norm, cos, sin), v
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # the same rotation for every head
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def fuses_rotation(self, q: torch.Tensor, cos: torch.Tensor) -> bool:
+        """Whether the fused CPU kernel takes the q/k norms and rotation: it applies, and computes what the model's
+        lines (apply_rotary, RMSNorm.normalized) do."""
+        return (cpu_kernels.rotary_applies(q, cos) and cpu_kernels.computes_rotary(apply_rotary)
+                and (self.q_norm is None or cpu_kernels.computes_rms_norm(self.q_norm.normalized)))
 
     @staticmethod
     def rotated(x, norm: RMSNorm | None, cos, sin) -> torch.Tensor:
