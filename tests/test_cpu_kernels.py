@@ -3,6 +3,7 @@ matmul attention's causal softmax and SwiGLU's gate, with the values and gradien
 they apply and not elsewhere, nor where the model's line they stand in for was edited; a machine that cannot build
 them (or builds them twice at once, or is killed mid-build) still trains."""
 
+import functools
 import os
 import shutil
 import signal
@@ -361,10 +362,10 @@ def test_swiglu_matches_float64_and_rounds_once_in_bf16():
     assert not cpu_kernels.swiglu_applies(gate, up[..., :5])
 
 
-def runs_as_edited(monkeypatch, caplog, kernel: str, forward, edit):
-    """What forward() returns after edit() (a change to the model's line that the kernel `kernel` stands in
-    for), checking that before it forward() takes that kernel, and after it neither forward runs the kernel, one
-    warning says so, and two forwards agree."""
+def runs_as_edited(monkeypatch, caplog, kernel: str, forward, edit, edited_line: str):
+    """What forward() returns after edit() (the model's line that the kernel `kernel` stands in for replaced by the
+    function named `edited_line`), checking that before it forward() takes that kernel, and after it neither forward
+    runs the kernel, one warning names the edited line, and two forwards agree."""
     calls = {kernel: 0}
     monkeypatch.setattr(cpu_kernels, kernel, counted(calls, kernel, getattr(cpu_kernels, kernel)))
     forward()
@@ -375,8 +376,20 @@ def runs_as_edited(monkeypatch, caplog, kernel: str, forward, edit):
         edited, again = forward(), forward()
     assert calls[kernel] == taken  # the forwards ran the edited line
     torch.testing.assert_close(edited, again, rtol=0, atol=0)
-    assert sum("its fused CPU kernel is left out" in r.message for r in caplog.records) == 1
+    warned = [r.getMessage() for r in caplog.records if "its fused CPU kernel is left out" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith(f"{edited_line} computes other values than")
     return edited
+
+
+def fresh(function):
+    """A function of its own, under `function`'s name, that calls it: computes_* probe each function once in a
+    process, so an edit that another test (or parameter) installed before would not be probed, nor warned about,
+    again."""
+    return functools.wraps(function)(lambda *args: function(*args))
+
+
+def gelu_gate(gate, up):
+    return F.gelu(gate) * up
 
 
 @needs_kernel
@@ -389,14 +402,8 @@ def test_an_edited_gate_runs_as_written_not_the_kernels_silu(monkeypatch, caplog
     mlp, x = SwiGLU(16, 40), torch.randn(2, 5, 16)
     torch.testing.assert_close(mlp(x), mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)))
     edited = runs_as_edited(monkeypatch, caplog, "swiglu", lambda: mlp(x),
-                            lambda: monkeypatch.setattr(SwiGLU, "gated", staticmethod(lambda g, u: F.gelu(g) * u)))
+                            lambda: monkeypatch.setattr(SwiGLU, "gated", staticmethod(fresh(gelu_gate))), "gelu_gate")
     torch.testing.assert_close(edited, mlp.down_proj(F.gelu(mlp.gate_proj(x)) * mlp.up_proj(x)))
-
-
-def fresh(function):
-    """A function of its own that calls `function`: computes_* probe each function once in a process, so an edit
-    that another test (or parameter) installed before would not be probed, nor warned about, again."""
-    return lambda *args: function(*args)
 
 
 def one_plus_weight(x, weight, eps, dtype):
@@ -408,12 +415,14 @@ def one_plus_weight(x, weight, eps, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_edited_norm_runs_as_written_not_the_kernels(monkeypatch, caplog, dtype):
     """RMSNorm.normalized edited (Gemma's 1 + weight) is what an eager CPU norm computes, in fp32 and bf16."""
+    torch.manual_seed(7)
     norm = RMSNorm(48, EPS)
     with torch.no_grad():
         norm.weight.copy_(0.5 * torch.randn(48))
     x = torch.randn(4, 7, 48, dtype=dtype)
     edited = runs_as_edited(monkeypatch, caplog, "rms_norm", lambda: norm(x),
-                            lambda: monkeypatch.setattr(RMSNorm, "normalized", staticmethod(fresh(one_plus_weight))))
+                            lambda: monkeypatch.setattr(RMSNorm, "normalized", staticmethod(fresh(one_plus_weight))),
+                            "one_plus_weight")
     torch.testing.assert_close(edited, one_plus_weight(x, norm.weight, EPS, dtype))
 
 
@@ -437,7 +446,8 @@ def test_an_edited_rotation_runs_as_written_not_the_kernels(monkeypatch, caplog,
     attn, x, (cos, sin) = net.blocks[0].attn, torch.randn(2, 16, 64), net.rotary(0, 16)
     with torch.no_grad():
         edited_q, edited_k, _ = runs_as_edited(monkeypatch, caplog, "rotary", lambda: attn.project(x, cos, sin),
-                                               lambda: monkeypatch.setattr(model_module, "apply_rotary", fresh(rotate_pairs)))
+                                               lambda: monkeypatch.setattr(model_module, "apply_rotary",
+                                                                           fresh(rotate_pairs)), "rotate_pairs")
         q, k = attn.q_proj(x).view(2, 16, 4, 16), attn.k_proj(x).view(2, 16, 2, 16)
         if qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)

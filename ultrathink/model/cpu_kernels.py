@@ -254,17 +254,17 @@ def _probe(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 4
 
 
-def _stands_in(written, fused, inputs: tuple, what: str) -> bool:
-    """Whether the kernel `fused` computes what the model's line `written` does on the fp32 `inputs`, with a
-    warning where not. The model writes each computation a kernel fuses in torch's operators, and the kernel stands
-    in for that line only while the two agree: an edited line (another activation, another norm, another rotation)
-    then runs as written on a CPU too, not silently the kernel's computation. `fused` is the kernel's autograd
-    function itself, so that a probe is never counted as a forward's call."""
+def _stands_in(line, written, fused, inputs: tuple, what: str) -> bool:
+    """Whether the kernel `fused` computes what the model's `line` does (called as `written`) on the fp32 `inputs`,
+    with a warning that names the line where not. The model writes each computation a kernel fuses in torch's
+    operators, and the kernel stands in for that line only while the two agree: an edited line (another activation,
+    another norm, another rotation) then runs as written on a CPU too, not silently the kernel's computation.
+    `fused` is the kernel's autograd function itself, so that a probe is never counted as a forward's call."""
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
         agree = torch.allclose(written(*inputs).float(), fused(*inputs).float(), rtol=1e-4, atol=1e-5)
     if not agree:
         log.warning("%s computes other values than %s: its fused CPU kernel is left out",
-                    getattr(written, "__qualname__", written), what)
+                    getattr(line, "__qualname__", line), what)
     return agree
 
 
@@ -272,8 +272,9 @@ def _stands_in(written, fused, inputs: tuple, what: str) -> bool:
 def computes_rms_norm(normalized) -> bool:
     """Whether `normalized(x, weight, eps, dtype)` (RMSNorm.normalized) computes what `rms_norm` does. Once per
     function."""
-    return _stands_in(lambda x, w: normalized(x, w, 1e-6, x.dtype), lambda x, w: _RMSNorm.apply(x, w, 1e-6, x.dtype),
-                      (_probe(8, 64, seed=0), _probe(64, seed=1)), "RMSNorm")
+    return _stands_in(normalized, lambda x, w: normalized(x, w, 1e-6, x.dtype),
+                      lambda x, w: _RMSNorm.apply(x, w, 1e-6, x.dtype), (_probe(8, 64, seed=0), _probe(64, seed=1)),
+                      "RMSNorm")
 
 
 @functools.cache
@@ -281,7 +282,7 @@ def computes_rotary(rotate) -> bool:
     """Whether `rotate(x, cos, sin)` (model.apply_rotary, tables broadcast over the heads) computes what `rotary`
     does without a norm (a fused norm is RMSNorm.normalized's, which computes_rms_norm checks). Once per function."""
     x, angles = _probe(2, 8, 3, 64, seed=0), _probe(8, 64, seed=1)
-    return _stands_in(lambda x, cos, sin: rotate(x, cos.unsqueeze(-2), sin.unsqueeze(-2)),
+    return _stands_in(rotate, lambda x, cos, sin: rotate(x, cos.unsqueeze(-2), sin.unsqueeze(-2)),
                       lambda x, cos, sin: _Rotary.apply(x, cos, sin, None, 0.0, False), (x, angles.cos(), angles.sin()),
                       "the rotation of the two halves")
 
@@ -289,7 +290,7 @@ def computes_rotary(rotate) -> bool:
 @functools.cache
 def computes_swiglu(gated) -> bool:
     """Whether `gated(gate, up)` (SwiGLU.gated) computes what `swiglu` does, silu(gate) * up. Once per function."""
-    return _stands_in(gated, _SwiGLU.apply, (_probe(256, seed=0), _probe(256, seed=1)), "silu(gate) * up")
+    return _stands_in(gated, gated, _SwiGLU.apply, (_probe(256, seed=0), _probe(256, seed=1)), "silu(gate) * up")
 
 
 def prebuild() -> None:
