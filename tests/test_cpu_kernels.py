@@ -455,6 +455,25 @@ def test_an_edited_rotation_runs_as_written_not_the_kernels(monkeypatch, caplog,
         torch.testing.assert_close(edited_k, rotate_pairs(k, cos[:, None], sin[:, None]))
 
 
+@needs_kernel
+def test_an_edited_norm_reaches_the_queries_and_keys_the_rotation_kernel_would_have_normed(monkeypatch, caplog):
+    """The fused q/k norm and rotation stands in for RMSNorm.normalized too: with the norm edited (Gemma's
+    1 + weight), attention's queries and keys are normed as edited, then rotated by apply_rotary."""
+    cfg = ModelConfig(d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, seq_len=16, dropout=0.0, qk_norm=True)
+    torch.manual_seed(6)
+    net = UltraThink(cfg, 50)
+    attn, x, (cos, sin) = net.blocks[0].attn, torch.randn(2, 16, 64), net.rotary(0, 16)
+    with torch.no_grad():
+        edited_q, edited_k, _ = runs_as_edited(monkeypatch, caplog, "rotary", lambda: attn.project(x, cos, sin),
+                                               lambda: monkeypatch.setattr(RMSNorm, "normalized",
+                                                                           staticmethod(fresh(one_plus_weight))),
+                                               "one_plus_weight")
+        q, k = attn.q_proj(x).view(2, 16, 4, 16), attn.k_proj(x).view(2, 16, 2, 16)
+        q, k = (one_plus_weight(t, norm.weight, norm.eps, t.dtype) for t, norm in ((q, attn.q_norm), (k, attn.k_norm)))
+        torch.testing.assert_close(edited_q, apply_rotary(q, cos[:, None], sin[:, None]))
+        torch.testing.assert_close(edited_k, apply_rotary(k, cos[:, None], sin[:, None]))
+
+
 def test_compiled_norm_takes_torch_path_in_one_graph():
     """Under torch.compile the norm is torch's form (Inductor fuses it): no graph break, the same values."""
     norm = RMSNorm(48, EPS)
