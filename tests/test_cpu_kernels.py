@@ -433,6 +433,20 @@ def rotate_pairs(x, cos, sin):
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
+def attention_as_edited(monkeypatch, caplog, edit, edited_line: str, qk_norm: bool, seed: int):
+    """One attention layer's rotated queries and keys after `edit` (runs_as_edited, the rotary kernel's), and the
+    same input's queries and keys as projected, before any norm or rotation; with the rotation's tables."""
+    cfg = ModelConfig(d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, seq_len=16, dropout=0.0, qk_norm=qk_norm)
+    torch.manual_seed(seed)
+    net = UltraThink(cfg, 50)
+    attn, x, (cos, sin) = net.blocks[0].attn, torch.randn(2, 16, 64), net.rotary(0, 16)
+    with torch.no_grad():
+        edited_q, edited_k, _ = runs_as_edited(monkeypatch, caplog, "rotary", lambda: attn.project(x, cos, sin),
+                                               edit, edited_line)
+        projected = attn.q_proj(x).view(2, 16, 4, 16), attn.k_proj(x).view(2, 16, 2, 16)
+    return attn, (edited_q, edited_k), projected, (cos[:, None], sin[:, None])
+
+
 @needs_kernel
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_an_edited_rotation_runs_as_written_not_the_kernels(monkeypatch, caplog, qk_norm):
@@ -440,38 +454,25 @@ def test_an_edited_rotation_runs_as_written_not_the_kernels(monkeypatch, caplog,
     queries and keys with, after their norms."""
     from ultrathink.model import model as model_module
 
-    cfg = ModelConfig(d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, seq_len=16, dropout=0.0, qk_norm=qk_norm)
-    torch.manual_seed(5)
-    net = UltraThink(cfg, 50)
-    attn, x, (cos, sin) = net.blocks[0].attn, torch.randn(2, 16, 64), net.rotary(0, 16)
+    attn, edited, (q, k), tables = attention_as_edited(
+        monkeypatch, caplog, lambda: monkeypatch.setattr(model_module, "apply_rotary", fresh(rotate_pairs)),
+        "rotate_pairs", qk_norm, seed=5)
     with torch.no_grad():
-        edited_q, edited_k, _ = runs_as_edited(monkeypatch, caplog, "rotary", lambda: attn.project(x, cos, sin),
-                                               lambda: monkeypatch.setattr(model_module, "apply_rotary",
-                                                                           fresh(rotate_pairs)), "rotate_pairs")
-        q, k = attn.q_proj(x).view(2, 16, 4, 16), attn.k_proj(x).view(2, 16, 2, 16)
         if qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        torch.testing.assert_close(edited_q, rotate_pairs(q, cos[:, None], sin[:, None]))
-        torch.testing.assert_close(edited_k, rotate_pairs(k, cos[:, None], sin[:, None]))
+        torch.testing.assert_close(edited, (rotate_pairs(q, *tables), rotate_pairs(k, *tables)))
 
 
 @needs_kernel
 def test_an_edited_norm_reaches_the_queries_and_keys_the_rotation_kernel_would_have_normed(monkeypatch, caplog):
     """The fused q/k norm and rotation stands in for RMSNorm.normalized too: with the norm edited (Gemma's
     1 + weight), attention's queries and keys are normed as edited, then rotated by apply_rotary."""
-    cfg = ModelConfig(d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, seq_len=16, dropout=0.0, qk_norm=True)
-    torch.manual_seed(6)
-    net = UltraThink(cfg, 50)
-    attn, x, (cos, sin) = net.blocks[0].attn, torch.randn(2, 16, 64), net.rotary(0, 16)
+    attn, edited, (q, k), tables = attention_as_edited(
+        monkeypatch, caplog, lambda: monkeypatch.setattr(RMSNorm, "normalized", staticmethod(fresh(one_plus_weight))),
+        "one_plus_weight", qk_norm=True, seed=6)
     with torch.no_grad():
-        edited_q, edited_k, _ = runs_as_edited(monkeypatch, caplog, "rotary", lambda: attn.project(x, cos, sin),
-                                               lambda: monkeypatch.setattr(RMSNorm, "normalized",
-                                                                           staticmethod(fresh(one_plus_weight))),
-                                               "one_plus_weight")
-        q, k = attn.q_proj(x).view(2, 16, 4, 16), attn.k_proj(x).view(2, 16, 2, 16)
         q, k = (one_plus_weight(t, norm.weight, norm.eps, t.dtype) for t, norm in ((q, attn.q_norm), (k, attn.k_norm)))
-        torch.testing.assert_close(edited_q, apply_rotary(q, cos[:, None], sin[:, None]))
-        torch.testing.assert_close(edited_k, apply_rotary(k, cos[:, None], sin[:, None]))
+        torch.testing.assert_close(edited, (apply_rotary(q, *tables), apply_rotary(k, *tables)))
 
 
 def test_compiled_norm_takes_torch_path_in_one_graph():
