@@ -64,13 +64,14 @@ from ultrathink.lineage import module_closure  # noqa: E402
 from ultrathink.device import resolve_device, synchronize  # noqa: E402
 from ultrathink.registry.models import evaluate_text_file  # noqa: E402
 from ultrathink.train import sizing  # noqa: E402
-from ultrathink.tokenizer import run_length  # noqa: E402
+from ultrathink.tokenizer import precision_matters, run_length  # noqa: E402
+from ultrathink.train.precision import resolve_precision  # noqa: E402
 from ultrathink.train.engine import autocast  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 # Params the data-side stages read (dvc.yaml): a variant that sets one trains on its own prepared copy.
-DATA_SIDE = ("data.", "validate.", "constitution.", "tokenizer.", "prepare.")
+DATA_SIDE = ("data.", "validate.", "constitution.", "tokenizer.", "prepare.", "train.precision=")
 DATA_STAGES = ("validate", "tokenizer", "prepare")
 TRAINING_CODE = ("ultrathink", "tasks")  # what a reused copy takes afresh from this checkout (--workdir)
 README_ITERATIONS, WARMUP = 2000, 100
@@ -279,6 +280,14 @@ def run_corpus(corpus: str, args, tmp: Path) -> list[dict]:
     return rows
 
 
+def vocabulary_run(budget: str, overrides: list[str]) -> str:
+    """What a copy's auto vocabulary is sized for (tokenizer.run_length): the budget's length and, where it matters,
+    the precision the overrides' train.precision resolves to on this machine, as the tokenizer stage resolves it."""
+    precision = precision_of(overrides)
+    return run_length(budget, resolve_precision(precision, resolve_device().type) if precision_matters(budget)
+                      else None)
+
+
 def kept_project(directory: Path, train_text: str, budget: str | None, overrides: list[str]) -> Path:
     """A prepared copy of this project for `train_text` under `directory`: the one made from the same corpus,
     data-side params and data-side code, sized alike (for a time budget: vocabulary and model auto, the vocabulary
@@ -286,7 +295,7 @@ def kept_project(directory: Path, train_text: str, budget: str | None, overrides
     checkout), else a new one. Its record is written last, so a copy whose preparation failed half-way is never
     reused."""
     record = {"corpus_sha256": hashlib.sha256(train_text.encode("utf-8")).hexdigest(), "overrides": overrides,
-              "code": data_side_code(), "sized_for": budget and run_length(budget)}
+              "code": data_side_code(), "sized_for": budget and vocabulary_run(budget, overrides)}
     home = directory / json_hash(record)
     marker = home / "prepared.json"
     if marker.is_file() and json.loads(marker.read_text()) == record:

@@ -14,7 +14,7 @@ import torch
 
 from e2e_helpers import ROOT, client_for, make_project, set_params, sh
 from ultrathink.config import Budget, ModelConfig, Params, ParamsError, TokenizerConfig, TrainConfig, load_params
-from ultrathink.tokenizer import auto_vocab_size, load_tokenizer, train_tokenizer
+from ultrathink.tokenizer import auto_vocab_size, load_tokenizer, precision_matters, train_tokenizer
 from ultrathink.train import sizing
 from ultrathink.train.budget import (COMPILE_PAYS_AFTER_SECONDS, PROBE_STEPS, Probe, checkpoints_apart,
                                      compile_pays, step_seconds_side_by_side, steps_for, warmup_for)
@@ -669,6 +669,12 @@ def test_auto_vocabulary_follows_the_corpus_size_and_the_budget(tmp_path):
     assert [auto_vocab_size(n, "2min") for n in (10_000, 10**9, 10**12)] == [320, 31616, 32768]
     short_runs = [None, "12s", "59s", "1e6tokens", "1e18flops"]  # FLOPs: the tokens follow the shape the plan picks
     assert [auto_vocab_size(1_000_000, b) for b in short_runs] == [512] * 5
+    # A long time budget trained in fp32 takes 1.5·√bytes; a short one, or a budget of tokens, the same as in bf16.
+    assert [auto_vocab_size(1_000_000, b, "fp32") for b in ("1min", "2min", "1.5h")] == [1472] * 3
+    assert [auto_vocab_size(1_000_000, b, "bf16") for b in ("1min", "2min", "1.5h")] == [1024] * 3
+    assert [auto_vocab_size(1_000_000, b, "fp32") for b in ("59s", "1.5e6tokens", "1e18flops")] == [512, 1024, 512]
+    assert [precision_matters(b) for b in (None, "59s", "1min", "1.5e6tokens", "1e18flops")] == \
+        [False, False, True, False, False]
     texts = [f"line {i} of a small corpus about cats, dogs and number {i * 7}" for i in range(3000)]
     n_bytes = sum(len(t) for t in texts)
     size = train_tokenizer(texts, TokenizerConfig(vocab_size="auto"), tmp_path / "tok")
@@ -677,6 +683,9 @@ def test_auto_vocabulary_follows_the_corpus_size_and_the_budget(tmp_path):
     longer = train_tokenizer(texts, TokenizerConfig(vocab_size="auto"), tmp_path / "long", budget="2min")
     assert longer == auto_vocab_size(n_bytes, "2min") == 448
     assert size < len(load_tokenizer(tmp_path / "long")) <= longer
+    in_fp32 = train_tokenizer(texts, TokenizerConfig(vocab_size="auto"), tmp_path / "fp32", "2min", "fp32")
+    assert in_fp32 == auto_vocab_size(n_bytes, "2min", "fp32") == 640
+    assert longer < len(load_tokenizer(tmp_path / "fp32")) <= in_fp32
     assert train_tokenizer(texts, TokenizerConfig(vocab_size=320), tmp_path / "set", budget="2min") == 320
     with pytest.raises(ValueError, match="vocab_size"):
         TokenizerConfig(vocab_size=100)

@@ -105,10 +105,11 @@ def test_a_detour_to_another_corpus_and_back_lets_the_real_model_win_again(proje
 
 def test_a_longer_budget_trains_a_larger_auto_vocabulary_and_prepares_again_only_when_it_changes(tmp_path):
     """Under tokenizer.vocab_size auto the tokenizer stage takes train.budget (a run of a minute or more gets twice
-    the tokens); a budget change that leaves the tokenizer as it was leaves the prepared tokens as they were."""
+    the tokens) and, for such a time budget, train.precision (in fp32, half as many again); a change that leaves the
+    tokenizer as it was leaves the prepared tokens as they were."""
     project = make_project(tmp_path)
     set_params(project, {"data": {"max_samples": None}, "tokenizer": {"vocab_size": "auto"},
-                         "train": {"budget": "30s"}})
+                         "train": {"budget": "30s", "precision": "bf16"}})
 
     def prepare() -> tuple[list[str], int]:
         done = sh(["dvc", "repro", "prepare"], project)
@@ -117,8 +118,10 @@ def test_a_longer_budget_trains_a_larger_auto_vocabulary_and_prepares_again_only
     assert prepare() == (["validate", "tokenizer", "prepare"], 320)
     set_params(project, {"train": {"budget": "2min"}})
     assert prepare() == (["tokenizer", "prepare"], 576)
+    set_params(project, {"train": {"precision": "fp32"}})
+    assert prepare() == (["tokenizer", "prepare"], 832)
     set_params(project, {"train": {"budget": "5min"}})
-    assert prepare() == (["tokenizer"], 576)
+    assert prepare() == (["tokenizer"], 832)
 
 
 def test_a_longer_schedule_keeps_earlier_checkpoints_and_going_back_resumes(project):

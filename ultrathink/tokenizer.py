@@ -38,31 +38,44 @@ MODEL_MAX_LENGTH = 2**62  # no length limit here: the model's seq_len decides, a
 # the third on the bf16 class, and won on the one corpus measured on one fp32 core. So a budget of at least LONG_RUN
 # (seconds, or tokens) takes the larger share; a shorter one, a FLOPs budget (its tokens follow the shape the plan
 # picks) and a run without a budget take the smaller. 1 MB of text: 512 or 1024; 1 GB: 16k or 32k.
-VOCAB_PER_ROOT_BYTE = {"short run": 0.5, "long run": 1.0}
+# A long time budget trained in fp32 (a CPU without native bf16, the slow class) takes 1.5·√bytes: 2-minute runs
+# there were better with it on all three corpora (12 of 12 pairs on one fp32 core, 0.005-0.049 bits/byte; on an
+# AVX2-only EPYC, tiny Shakespeare 0.023 better), where on the bf16 class it was worse or level (benchmarks/README.md,
+# "A larger vocabulary pays on the slow class"). Only a time budget: a budget of tokens trains as many either way.
+VOCAB_PER_ROOT_BYTE = {"short run": 0.5, "long run": 1.0, "long run in fp32": 1.5}
 LONG_RUN = {"seconds": 60.0, "tokens": 1.5e6}
 AUTO_VOCAB_BOUNDS = (320, 32768)
 
 
-def run_length(budget: str | None) -> str:
-    """'long run' for a train.budget of at least LONG_RUN of its kind, else 'short run'."""
+def run_length(budget: str | None, precision: str | None = None) -> str:
+    """'long run' for a train.budget of at least LONG_RUN of its kind, else 'short run'; a long time budget that
+    trains in fp32 (`precision`, as the train stage resolves train.precision on this machine) is a 'long run in
+    fp32'."""
     parsed = Budget.parse(budget) if budget else None
-    long = parsed is not None and parsed.kind in LONG_RUN and parsed.amount >= LONG_RUN[parsed.kind]
-    return "long run" if long else "short run"
+    if parsed is None or parsed.kind not in LONG_RUN or parsed.amount < LONG_RUN[parsed.kind]:
+        return "short run"
+    return "long run in fp32" if parsed.kind == "seconds" and precision == "fp32" else "long run"
 
 
-def auto_vocab_size(n_bytes: int, budget: str | None = None) -> int:
+def precision_matters(budget: str | None) -> bool:
+    """Whether the auto vocabulary of `budget` depends on the precision the run trains in (run_length)."""
+    return run_length(budget, "fp32") != run_length(budget)
+
+
+def auto_vocab_size(n_bytes: int, budget: str | None = None, precision: str | None = None) -> int:
     low, high = AUTO_VOCAB_BOUNDS
-    share = VOCAB_PER_ROOT_BYTE[run_length(budget)]
+    share = VOCAB_PER_ROOT_BYTE[run_length(budget, precision)]
     return int(min(high, max(low, 64 * round(share * math.sqrt(n_bytes) / 64))))
 
 
-def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, out_dir: Path, budget: str | None = None) -> int:
+def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, out_dir: Path, budget: str | None = None,
+                    precision: str | None = None) -> int:
     """Learn `cfg.vocab_size` byte-level BPE tokens (EOS and PAD included) from `texts`, or under `auto` a number
-    that follows the texts' size and the run's `budget` (train.budget: auto_vocab_size); replace `out_dir`. Returns
-    the vocabulary size asked for."""
+    that follows the texts' size, the run's `budget` (train.budget) and the `precision` it trains in
+    (auto_vocab_size); replace `out_dir`. Returns the vocabulary size asked for."""
     if cfg.vocab_size == "auto":
         texts = list(texts)
-        vocab_size = auto_vocab_size(sum(len(t.encode("utf-8")) for t in texts), budget)
+        vocab_size = auto_vocab_size(sum(len(t.encode("utf-8")) for t in texts), budget, precision)
     else:
         vocab_size = cfg.vocab_size
     tokenizer = Tokenizer(models.BPE())

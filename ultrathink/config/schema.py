@@ -141,8 +141,8 @@ class TokenizerConfig(Section):
     vocab_size: int | Literal["auto"] = Field(
         4096, description="BPE vocabulary size, special tokens included (at least 300; above 65,535 the token "
         "files hold uint32 ids); auto: from the corpus size and train.budget, about half the square root of its "
-        "bytes, the whole root for a budget of a minute or 1.5M tokens or more (ultrathink/tokenizer.py: "
-        "auto_vocab_size)")
+        "bytes, the whole root for a budget of a minute or 1.5M tokens or more, 1.5 times it for a time budget "
+        "of a minute or more that trains in fp32 (ultrathink/tokenizer.py: auto_vocab_size)")
     min_frequency: int = Field(2, ge=1, description="least count for a merge to be learned")
 
     @model_validator(mode="after")

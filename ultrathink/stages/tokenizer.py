@@ -1,6 +1,7 @@
 """tokenizer: train a byte-level BPE on the training split of the validated corpus (the validation text, chosen
-exactly as prepare's split chooses it, stays unseen; under vocab_size auto, as many tokens as the corpus and
-train.budget call for), or take tokenizer.pretrained's as it is; save a directory transformers can load."""
+exactly as prepare's split chooses it, stays unseen; under vocab_size auto, as many tokens as the corpus,
+train.budget and the precision the run trains in call for), or take tokenizer.pretrained's as it is; save a
+directory transformers can load."""
 
 from pathlib import Path
 
@@ -8,7 +9,7 @@ from ultrathink.config import Params
 from ultrathink.data.packing import training_texts
 from ultrathink.errors import StageError
 from ultrathink.scoring import document_prefix
-from ultrathink.tokenizer import copy_pretrained, run_length, train_tokenizer
+from ultrathink.tokenizer import copy_pretrained, precision_matters, run_length, train_tokenizer
 
 
 def run(params: Params) -> None:
@@ -22,8 +23,20 @@ def run(params: Params) -> None:
               f"framed as {before} + text + {tokenizer.eos_token}) saved to {params.paths.tokenizer_dir}")
         return
     texts = training_texts(Path(params.paths.validated_corpus), params.prepare)
-    vocab_size = train_tokenizer(texts, params.tokenizer, Path(params.paths.tokenizer_dir), params.train.budget)
-    chosen = (f" (tokenizer.vocab_size auto: from the corpus size, for a {run_length(params.train.budget)}: "
-              f"train.budget {params.train.budget})" if params.tokenizer.vocab_size == "auto" else "")
+    budget, precision = params.train.budget, training_precision(params)
+    vocab_size = train_tokenizer(texts, params.tokenizer, Path(params.paths.tokenizer_dir), budget, precision)
+    why = f"train.budget {budget}" + (f", training in {precision}" if precision else "")
+    chosen = (f" (tokenizer.vocab_size auto: from the corpus size, for a {run_length(budget, precision)}: {why})"
+              if params.tokenizer.vocab_size == "auto" else "")
     print(f"tokenizer: vocab {vocab_size}{chosen} saved to {params.paths.tokenizer_dir}")
 
+
+def training_precision(params: Params) -> str | None:
+    """The precision the train stage will train in on this machine, where the auto vocabulary depends on it (a long
+    time budget), else None: resolved as the train stage's plan resolves train.precision, so `auto` measures."""
+    if params.tokenizer.vocab_size != "auto" or not precision_matters(params.train.budget):
+        return None
+    from ultrathink.device import resolve_device  # torch: only a run whose vocabulary follows the precision pays
+    from ultrathink.train.precision import resolve_precision
+
+    return resolve_precision(params.train.precision, resolve_device().type)
