@@ -64,8 +64,8 @@ from ultrathink.lineage import module_closure  # noqa: E402
 from ultrathink.device import resolve_device, synchronize  # noqa: E402
 from ultrathink.registry.models import evaluate_text_file  # noqa: E402
 from ultrathink.train import sizing  # noqa: E402
-from ultrathink.tokenizer import precision_matters, run_length  # noqa: E402
-from ultrathink.train.precision import resolve_precision  # noqa: E402
+from ultrathink.stages.tokenizer import precision_for_vocabulary  # noqa: E402
+from ultrathink.tokenizer import run_length  # noqa: E402
 from ultrathink.train.engine import autocast  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -283,9 +283,7 @@ def run_corpus(corpus: str, args, tmp: Path) -> list[dict]:
 def vocabulary_run(budget: str, overrides: list[str]) -> str:
     """What a copy's auto vocabulary is sized for (tokenizer.run_length): the budget's length and, where it matters,
     the precision the overrides' train.precision resolves to on this machine, as the tokenizer stage resolves it."""
-    precision = precision_of(overrides)
-    return run_length(budget, resolve_precision(precision, resolve_device().type) if precision_matters(budget)
-                      else None)
+    return run_length(budget, precision_for_vocabulary(budget, precision_of(overrides)))
 
 
 def kept_project(directory: Path, train_text: str, budget: str | None, overrides: list[str]) -> Path:

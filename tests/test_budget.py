@@ -14,12 +14,15 @@ import torch
 
 from e2e_helpers import ROOT, client_for, make_project, set_params, sh
 from ultrathink.config import Budget, ModelConfig, Params, ParamsError, TokenizerConfig, TrainConfig, load_params
+from ultrathink.data.packing import training_texts
+from ultrathink.stages import tokenizer as tokenizer_stage
 from ultrathink.tokenizer import auto_vocab_size, load_tokenizer, precision_matters, train_tokenizer
 from ultrathink.train import sizing
 from ultrathink.train.budget import (COMPILE_PAYS_AFTER_SECONDS, PROBE_STEPS, Probe, checkpoints_apart,
                                      compile_pays, step_seconds_side_by_side, steps_for, warmup_for)
 from ultrathink.train.loader import ContextWarmup
 from ultrathink.train import plan as plan_module
+from ultrathink.train import precision as precision_module
 from ultrathink.train.plan import Decided, Plan, apply_plan, decide, plan_run
 
 AUTO_SHAPE = {k: None for k in sizing.SHAPE_KEYS}
@@ -689,6 +692,46 @@ def test_auto_vocabulary_follows_the_corpus_size_and_the_budget(tmp_path):
     assert train_tokenizer(texts, TokenizerConfig(vocab_size=320), tmp_path / "set", budget="2min") == 320
     with pytest.raises(ValueError, match="vocab_size"):
         TokenizerConfig(vocab_size=100)
+
+
+def test_the_tokenizer_stage_sizes_an_auto_vocabulary_for_the_precision_train_precision_auto_measures(
+        tmp_path, monkeypatch, capsys):
+    """The stage under train.precision auto: the vocabulary follows the precision the measurement picks (fp32
+    where bf16 measures no faster, as on an AVX2-only CPU), and only an auto vocabulary under a long time budget
+    measures at all."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"line {i} of a small corpus about cats, dogs and number {i * 7}"})
+                              + "\n" for i in range(3000)))
+    n_bytes = sum(len(t.encode("utf-8")) for t in training_texts(corpus, Params().prepare))
+    measured, speeds = [], {}
+    monkeypatch.setattr(precision_module, "matmul_gflops", lambda dtype: measured.append(dtype) or speeds[dtype])
+
+    def vocabulary(vocab_size, budget: str, fp32: float, bf16: float) -> str:
+        """What the stage printed, having trained under these measured matmul speeds (GFLOP/s)."""
+        speeds.update({torch.float32: fp32, torch.bfloat16: bf16})
+        measured.clear()
+        precision_module.resolve_precision.cache_clear()  # a measurement is kept per process: this one stands for another machine
+        tokenizer_stage.run(Params(tokenizer={"vocab_size": vocab_size},
+                                   train={"budget": budget, "precision": "auto"},
+                                   paths={"validated_corpus": str(corpus), "tokenizer_dir": str(tmp_path / "tok")}))
+        return capsys.readouterr().out
+
+    try:
+        in_fp32, in_bf16 = auto_vocab_size(n_bytes, "2min", "fp32"), auto_vocab_size(n_bytes, "2min")
+        assert in_fp32 > in_bf16 == auto_vocab_size(n_bytes, "2min", "bf16")
+        assert (f"vocab {in_fp32} (tokenizer.vocab_size auto: from the corpus size, for a long run in fp32: "
+                f"train.budget 2min, training in fp32)") in vocabulary("auto", "2min", fp32=100, bf16=100)
+        assert measured == [torch.float32, torch.bfloat16]
+        assert len(load_tokenizer(tmp_path / "tok")) <= in_fp32
+        assert (f"vocab {in_bf16} (tokenizer.vocab_size auto: from the corpus size, for a long run: "
+                f"train.budget 2min, training in bf16)") in vocabulary("auto", "2min", fp32=100, bf16=300)
+        # A set vocabulary, or a budget too short for the precision to matter, never measures.
+        assert "vocab 320 saved" in vocabulary(320, "2min", fp32=100, bf16=100) and measured == []
+        assert (f"vocab {auto_vocab_size(n_bytes, '30s')} (tokenizer.vocab_size auto: from the corpus size, for a "
+                f"short run: train.budget 30s)") in vocabulary("auto", "30s", fp32=100, bf16=100)
+        assert measured == []
+    finally:
+        precision_module.resolve_precision.cache_clear()  # the next caller in this process measures this machine, not these figures
 
 
 # The matmul peak a plan with made-up probes is decided at. Measured, it moves with the machine and its load, and the

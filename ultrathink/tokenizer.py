@@ -40,8 +40,9 @@ MODEL_MAX_LENGTH = 2**62  # no length limit here: the model's seq_len decides, a
 # picks) and a run without a budget take the smaller. 1 MB of text: 512 or 1024; 1 GB: 16k or 32k.
 # A long time budget trained in fp32 (a CPU without native bf16, the slow class) takes 1.5·√bytes: 2-minute runs
 # there were better with it on all three corpora (12 of 12 pairs on one fp32 core, 0.005-0.049 bits/byte; on an
-# AVX2-only EPYC, tiny Shakespeare 0.023 better), where on the bf16 class it was worse or level (benchmarks/README.md,
-# "A larger vocabulary pays on the slow class"). Only a time budget: a budget of tokens trains as many either way.
+# AVX2-only EPYC Zen 3, at one shape and batch, 0.012-0.023 on each), where on the bf16 class it was worse or level
+# (benchmarks/README.md, "A larger vocabulary pays on the slow class" and after). Only a time budget: a budget of
+# tokens trains as many either way.
 VOCAB_PER_ROOT_BYTE = {"short run": 0.5, "long run": 1.0, "long run in fp32": 1.5}
 LONG_RUN = {"seconds": 60.0, "tokens": 1.5e6}
 AUTO_VOCAB_BOUNDS = (320, 32768)

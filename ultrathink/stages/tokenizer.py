@@ -7,9 +7,11 @@ from pathlib import Path
 
 from ultrathink.config import Params
 from ultrathink.data.packing import training_texts
+from ultrathink.device import resolve_device
 from ultrathink.errors import StageError
 from ultrathink.scoring import document_prefix
 from ultrathink.tokenizer import copy_pretrained, precision_matters, run_length, train_tokenizer
+from ultrathink.train.precision import resolve_precision
 
 
 def run(params: Params) -> None:
@@ -32,11 +34,14 @@ def run(params: Params) -> None:
 
 
 def training_precision(params: Params) -> str | None:
-    """The precision the train stage will train in on this machine, where the auto vocabulary depends on it (a long
-    time budget), else None: resolved as the train stage's plan resolves train.precision, so `auto` measures."""
-    if params.tokenizer.vocab_size != "auto" or not precision_matters(params.train.budget):
+    """The precision the train stage will train in, where the auto vocabulary depends on it, else None."""
+    if params.tokenizer.vocab_size != "auto":
         return None
-    from ultrathink.device import resolve_device  # torch: only a run whose vocabulary follows the precision pays
-    from ultrathink.train.precision import resolve_precision
+    return precision_for_vocabulary(params.train.budget, params.train.precision)
 
-    return resolve_precision(params.train.precision, resolve_device().type)
+
+def precision_for_vocabulary(budget: str | None, requested: str) -> str | None:
+    """The precision a run of train.budget `budget` trains in on this machine where its auto vocabulary depends on
+    it (a long time budget: precision_matters), else None: train.precision `requested` resolved as the train
+    stage's plan resolves it, so `auto` measures (about a second on a CPU, paid only here)."""
+    return resolve_precision(requested, resolve_device().type) if precision_matters(budget) else None
